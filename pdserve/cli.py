@@ -1,0 +1,172 @@
+"""`pdserve`: the one place where flags and environment become configuration.
+
+Subcommands:
+  up        start the whole stack on this machine (router, prefill, decode, edge)
+  router    run the router
+  prefill   run a prefill worker
+  decode    run a decode worker
+  edge      run the HTTP edge
+  build-model  build the tiny offline test model
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterConfig, WorkerConfig
+
+DEFAULT_MODEL_DIR = Path("models/tiny-llama")
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (vLLM)")
+    g.add_argument("--model", default=_env("PDSERVE_MODEL", ""),
+                   help=f"model dir or name (default: the tiny model at {DEFAULT_MODEL_DIR})")
+    g.add_argument("--served-model-name", default="", help="name clients use (default: --model)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=_env("PDSERVE_DEVICE", "cpu"))
+    g.add_argument("--dtype", default="", help="float32 on cpu, bfloat16 on cuda by default")
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size (cpu)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model or str(DEFAULT_MODEL_DIR.resolve()), served_model_name=a.served_model_name,
+        device=a.device, dtype=a.dtype or ("float32" if a.device == "cpu" else "bfloat16"),
+        max_model_len=a.max_model_len, kv_cache_bytes=int(a.kv_cache_gb * (1 << 30)),
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        tensor_parallel_size=a.tensor_parallel_size, max_num_seqs=a.max_num_seqs, seed=a.seed)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--log-level", default=_env("PDSERVE_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start router, prefill, decode and edge on this machine")
+    up.add_argument("--host", default=_env("PDSERVE_HOST", "127.0.0.1"), help="edge bind address")
+    up.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")), help="edge port")
+    up.add_argument("--router-port", type=int, default=50051)
+    up.add_argument("--prefill-port", type=int, default=50061)
+    up.add_argument("--decode-port", type=int, default=50071)
+    up.add_argument("--kv-port", type=int, default=5600,
+                    help="NIXL side-channel port of the prefill worker; decode uses +1")
+    up.add_argument("--local-prefill-below", type=int, default=32,
+                    help="prompts shorter than this many tokens prefill on the decode worker")
+    up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
+    up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
+    up.add_argument("--prefill-gpus", default="0", help="CUDA_VISIBLE_DEVICES of prefill (cuda)")
+    up.add_argument("--decode-gpus", default="1", help="CUDA_VISIBLE_DEVICES of decode (cuda)")
+    _add_engine_flags(up)
+
+    r = sub.add_parser("router", help="run the router")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=50051)
+    r.add_argument("--local-prefill-below", type=int, default=32)
+    r.add_argument("--worker-timeout", type=float, default=6.0)
+
+    for role in ("prefill", "decode"):
+        w = sub.add_parser(role, help=f"run a {role} worker")
+        w.add_argument("--host", default="127.0.0.1")
+        w.add_argument("--port", type=int, default=0)
+        w.add_argument("--advertise-host", default="", help="address others dial (default --host)")
+        w.add_argument("--router", default="127.0.0.1:50051")
+        w.add_argument("--worker-id", default="")
+        w.add_argument("--kv-port", type=int, default=5600, help="NIXL side-channel port")
+        w.add_argument("--kv-lease-seconds", type=int, default=30)
+        w.add_argument("--cpus", default="", help="cores for the engine's threads (cpu)")
+        _add_engine_flags(w)
+
+    e = sub.add_parser("edge", help="run the HTTP edge")
+    e.add_argument("--host", default=_env("PDSERVE_HOST", "127.0.0.1"))
+    e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
+    e.add_argument("--router", default="127.0.0.1:50051")
+    e.add_argument("--model", default=_env("PDSERVE_MODEL", ""))
+    e.add_argument("--served-model-name", default="")
+    e.add_argument("--max-model-len", type=int, default=2048)
+    e.add_argument("--min-prefill-workers", type=int, default=1)
+    e.add_argument("--min-decode-workers", type=int, default=1)
+
+    b = sub.add_parser("build-model", help="build the tiny offline model if absent")
+    b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
+    b.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
+    """vLLM and UCX read these from the process environment, before vllm is imported."""
+    from transfer.connector import engine_kv_env
+
+    os.environ.update(engine_kv_env(cfg.kv))
+    if cfg.engine.device == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, cfg.engine.kv_cache_bytes >> 30))
+        if cpus:
+            # Two engines on one box must not share cores: idle OpenMP threads spin.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _run(coro) -> None:
+    import uvloop
+
+    uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = _parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {a.command:>7} %(levelname)s %(name)s: %(message)s")
+    try:
+        if a.command == "build-model":
+            from pdserve.tiny_model import ensure_tiny_model
+            print(ensure_tiny_model(Path(a.out), seed=a.seed))
+        elif a.command == "router":
+            from services.router.server import serve
+            _run(serve(RouterConfig(host=a.host, port=a.port,
+                                    local_prefill_below_tokens=a.local_prefill_below,
+                                    worker_timeout_seconds=a.worker_timeout)))
+        elif a.command in ("prefill", "decode"):
+            cfg = WorkerConfig(role=a.command, engine=_engine_config(a),
+                               kv=KVTransferConfig(side_channel_port=a.kv_port,
+                                                   lease_seconds=a.kv_lease_seconds,
+                                                   buffer_device=a.device),
+                               host=a.host, port=a.port, advertise_host=a.advertise_host,
+                               router=a.router, worker_id=a.worker_id)
+            _engine_env(cfg, a.cpus)
+            from services.worker.main import serve_worker
+            if a.command == "prefill":
+                from services.prefill.server import PrefillService as svc, add_to_server
+            else:
+                from services.decode.server import DecodeService as svc, add_to_server
+            _run(serve_worker(cfg, svc, add_to_server, f"pdserve.v1.{a.command.title()}"))
+        elif a.command == "edge":
+            from services.edge.server import serve
+            _run(serve(EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
+                                  served_model_name=a.served_model_name,
+                                  max_model_len=a.max_model_len, host=a.host, port=a.port,
+                                  router=a.router, min_prefill_workers=a.min_prefill_workers,
+                                  min_decode_workers=a.min_decode_workers)))
+        elif a.command == "up":
+            from pdserve.supervisor import run_stack
+            sys.exit(run_stack(a, _engine_config(a)))
+    except ValueError as e:
+        # Config validation: name the field, no traceback.
+        print(f"pdserve {a.command}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Configuration of every pdserve process, as frozen dataclasses.
+
+`pdserve.cli` is the one place that turns flags and environment into these; no
+other module reads `os.environ`. Each dataclass validates itself so a bad value
+fails at start-up with the field's name, not deep inside a request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check_port(name: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{name} must be a TCP port (0-65535), got {port}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How a worker builds its vLLM engine. CPU defaults; GPU flags override."""
+
+    model: str
+    served_model_name: str = ""
+    device: str = "cpu"                  # "cpu" | "cuda"
+    dtype: str = "float32"               # exact and faster on CPU; bfloat16 on GPU
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 1 << 30        # CPU needs an explicit KV size
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True           # compile costs ~30 s at start on CPU
+    max_num_seqs: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a path or a model name")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"dtype must be float32|bfloat16|float16|auto, got {self.dtype!r}")
+        _check_positive("max_model_len", self.max_model_len)
+        _check_positive("kv_cache_bytes", self.kv_cache_bytes)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    @property
+    def name(self) -> str:
+        """The model name clients use (`model` in requests)."""
+        return self.served_model_name or self.model
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """How KV blocks move between a prefill and a decode worker (see transfer/)."""
+
+    connector: str = "nixl"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    lease_seconds: int = 30              # unclaimed blocks are freed after this
+    buffer_device: str = "cpu"           # "cpu" on CPU boxes, "cuda" on GPUs
+
+    def __post_init__(self) -> None:
+        if self.connector not in ("nixl",):
+            raise ValueError(f"kv connector must be 'nixl', got {self.connector!r}")
+        _check_port("kv side_channel_port", self.side_channel_port)
+        _check_positive("kv lease_seconds", self.lease_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """A prefill or decode worker: one gRPC server owning one engine."""
+
+    role: str                            # "prefill" | "decode"
+    engine: EngineConfig
+    kv: KVTransferConfig = field(default_factory=KVTransferConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""             # address others dial; defaults to host
+    router: str = "127.0.0.1:50051"
+    worker_id: str = ""
+    heartbeat_seconds: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        _check_port("port", self.port)
+        _check_positive("heartbeat_seconds", self.heartbeat_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The router: worker registry and placement policy."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # Prompts shorter than this are prefilled on the decode worker: moving
+    # their KV costs more than recomputing it.
+    local_prefill_below_tokens: int = 32
+    worker_timeout_seconds: float = 6.0  # no heartbeat for this long = not serving
+
+    def __post_init__(self) -> None:
+        _check_port("port", self.port)
+        if self.local_prefill_below_tokens < 0:
+            raise ValueError("local_prefill_below_tokens must be >= 0")
+        _check_positive("worker_timeout_seconds", self.worker_timeout_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    """The HTTP edge: OpenAI API, SSE streaming, health and metrics."""
+
+    model: str                           # model dir/name: the tokenizer comes from here
+    served_model_name: str = ""
+    max_model_len: int = 2048
+    host: str = "127.0.0.1"
+    port: int = 8000
+    router: str = "127.0.0.1:50051"
+    min_prefill_workers: int = 1         # /health is 503 until this many serve
+    min_decode_workers: int = 1
+    request_timeout_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a path or a model name")
+        _check_port("port", self.port)
+        _check_positive("max_model_len", self.max_model_len)
+        if self.min_prefill_workers < 0 or self.min_decode_workers < 1:
+            raise ValueError("min_prefill_workers must be >= 0 and min_decode_workers >= 1")
+        _check_positive("request_timeout_seconds", self.request_timeout_seconds)
+
+    @property
+    def name(self) -> str:
+        """The model name clients use (`model` in requests)."""
+        return self.served_model_name or self.model

@@ -1,0 +1,68 @@
+"""gRPC plumbing every pdserve service shares: servers with health, channels.
+
+Servers expose the standard `grpc.health.v1` service; shutdown first flips it
+to NOT_SERVING so callers stop picking this process, then drains in-flight
+calls for `grace` seconds (grpc examples: async graceful shutdown).
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+# Keepalive: detect a dead peer in ~20 s instead of waiting on TCP timeouts;
+# long token streams stay open for minutes, so pings must be allowed without
+# active calls as well.
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+_SERVER_OPTIONS = _KEEPALIVE + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+
+# Retry only what is safe to retry: UNAVAILABLE means the call never reached
+# a handler. RESOURCE_EXHAUSTED is overload and must not be retried blindly.
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "pdserve.v1.Router"}, {"service": "grpc.health.v1.Health"}],
+        "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }]
+})
+
+
+class Server:
+    """A grpc.aio server with the health service, bound to one address."""
+
+    def __init__(self, host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
+                 service_names: list[str]):
+        self.server = grpc.aio.server(options=_SERVER_OPTIONS)
+        add_servicers(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = ["", *service_names]
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+
+    async def start(self) -> None:
+        """Start serving and report SERVING."""
+        await self.server.start()
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING first, then drain in-flight calls for `grace` seconds."""
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """An insecure channel with keepalive and the retry policy above."""
+    return grpc.aio.insecure_channel(
+        address, options=_KEEPALIVE + [("grpc.service_config", _SERVICE_CONFIG),
+                                       ("grpc.enable_retries", 1)])

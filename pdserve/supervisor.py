@@ -1,0 +1,121 @@
+"""`pdserve up`: the whole stack as child processes on one machine.
+
+Starts the router, one prefill and one decode worker (each engine on its own
+cores or GPUs) and the edge; prints one line when the edge reports healthy;
+on Ctrl-C/SIGTERM, or when any child dies, stops every process it started.
+Each child runs in its own session so that its engine subprocesses go with it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from pdserve.config import EngineConfig
+
+_READY_TIMEOUT_S = 600
+_STOP_GRACE_S = 20
+
+
+def _split_cores() -> tuple[str, str]:
+    """Half the cores to each engine; prefill gets the lower half."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    pre, dec = cores[:half], cores[half:] or cores[:half]
+    return ",".join(map(str, pre)), ",".join(map(str, dec))
+
+
+def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
+    return ["--model", eng.model, "--served-model-name", eng.name, "--device", eng.device,
+            "--dtype", eng.dtype, "--max-model-len", str(eng.max_model_len),
+            "--kv-cache-gb", str(a.kv_cache_gb),
+            "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
+            "--tensor-parallel-size", str(eng.tensor_parallel_size),
+            "--max-num-seqs", str(eng.max_num_seqs), "--seed", str(eng.seed)]
+
+
+def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[str], dict]]:
+    me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level]
+    router = f"127.0.0.1:{a.router_port}"
+    pre_cpus, dec_cpus = _split_cores()
+    workers = []
+    for role, port, kv_port, cpus, gpus in (
+            ("prefill", a.prefill_port, a.kv_port, a.prefill_cpus or pre_cpus, a.prefill_gpus),
+            ("decode", a.decode_port, a.kv_port + 1, a.decode_cpus or dec_cpus, a.decode_gpus)):
+        env = {"CUDA_VISIBLE_DEVICES": gpus} if eng.device == "cuda" else {}
+        workers.append((role, me + [role, "--port", str(port), "--router", router,
+                                    "--kv-port", str(kv_port), "--cpus", cpus,
+                                    "--worker-id", f"{role}-0"] + _engine_flags(a, eng), env))
+    return [("router", me + ["router", "--port", str(a.router_port),
+                             "--local-prefill-below", str(a.local_prefill_below)], {}),
+            *workers,
+            ("edge", me + ["edge", "--host", a.host, "--port", str(a.port), "--router", router,
+                           "--model", eng.model, "--served-model-name", eng.name,
+                           "--max-model-len", str(eng.max_model_len)], {})]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM in reverse start order (edge first), then SIGKILL what remains."""
+    for name, p in reversed(list(procs.items())):
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for name, p in procs.items():
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"pdserve: {name} did not stop in {_STOP_GRACE_S}s; killing", file=sys.stderr)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # engine subprocesses left in its session
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
+    """Run until signalled; returns the exit code."""
+    if not a.model:
+        from pdserve.tiny_model import ensure_tiny_model
+        ensure_tiny_model(Path(eng.model))
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    procs: dict[str, subprocess.Popen] = {}
+    health = f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '') else a.host}:{a.port}/health"
+    try:
+        for name, cmd, env in _commands(a, eng):
+            procs[name] = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
+        ready_by = time.monotonic() + _READY_TIMEOUT_S
+        ready = False
+        while not stopping:
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead:
+                print(f"pdserve: {', '.join(dead)} exited (code "
+                      f"{procs[dead[0]].returncode}); stopping the stack", file=sys.stderr)
+                return 1
+            if not ready and _healthy(health):
+                ready = True
+                print(f"pdserve ready: http://{a.host}:{a.port} (router 127.0.0.1:{a.router_port},"
+                      f" prefill :{a.prefill_port}, decode :{a.decode_port}, model {eng.name})",
+                      flush=True)
+            if not ready and time.monotonic() > ready_by:
+                print(f"pdserve: not healthy after {_READY_TIMEOUT_S}s; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        _stop(procs)

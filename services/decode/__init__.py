@@ -1,0 +1,1 @@
+"""Decode workers: pull a prompt's KV (or prefill locally) and stream tokens."""

@@ -1,0 +1,31 @@
+"""The edge's Prometheus metrics. vLLM-compatible names where vLLM has one."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EdgeMetrics:
+    """One registry per edge app, so tests can run several apps in one process."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "Completed requests",
+                                ["endpoint", "path", "status"], registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests streaming now",
+                             ["model_name"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                              ["model_name", "path"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency",
+                             ["model_name", "path"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", ["model_name"],
+                                     registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens",
+                                         ["model_name"], registry=r)
+        self.kv_external_tokens = Counter(
+            "pdserve_kv_transferred_tokens", "Prompt tokens whose KV a decode worker pulled "
+            "from a prefill worker instead of computing", ["model_name"], registry=r)
+        self.prefill_fallbacks = Counter(
+            "pdserve_prefill_fallbacks", "Requests prefilled locally because remote prefill "
+            "failed", ["model_name"], registry=r)

@@ -1,0 +1,408 @@
+"""OpenAI-compatible request parsing and response building for the edge proxy.
+
+Everything here is pure: bytes in, dataclasses or dicts out. The aiohttp layer
+owns I/O and only has to send ``err.body()`` with ``err.status`` for an
+``APIError``. Keeping it pure lets the client-facing contract be tested and
+fuzzed without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any, Collection, Literal
+
+Kind = Literal["chat", "completion"]
+
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # seed range, as vLLM checks it
+# Cap for token ids and top_k: no vocabulary comes near it, and it keeps any
+# downstream int32 conversion from overflowing.
+_INT32_MAX = 2**31 - 1
+_MAX_STOP = 4
+
+
+class APIError(Exception):
+    """An error that reaches the client as OpenAI-shaped JSON with an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str = "invalid_request_error",
+        param: str | None = None, code: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """Validated sampling parameters; defaults are OpenAI's (vLLM's for its extensions)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    max_tokens: int | None = None  # None = until the context is full
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A validated /v1/chat/completions or /v1/completions request.
+
+    ``messages`` is set only for chat, ``prompt`` only for completion. Messages
+    are normalised to ``{"role": str, "content": str}`` so the chat template
+    never sees content-part lists or stray keys.
+    """
+
+    kind: Kind
+    model: str
+    messages: tuple[dict, ...]
+    prompt: str | tuple[int, ...] | None
+    sampling: SamplingOptions
+    stream: bool
+    include_usage: bool
+    echo: bool
+    user: str | None
+    session_id: str | None
+
+
+def _bad(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# --- field readers ----------------------------------------------------------
+# JSON null counts as "absent" throughout: OpenAI SDKs routinely send unset
+# optional fields as null.
+
+
+def _bool(obj: dict, key: str, *, param: str | None = None) -> bool:
+    value = obj.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(f"'{key}' must be a boolean", param or key)
+    return value
+
+
+def _int(obj: dict, key: str, *, lo: int | None = None, hi: int | None = None) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    # bool is an int subclass in Python; `true` must not quietly become 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"'{key}' must be an integer", key)
+    if lo is not None and value < lo:
+        raise _bad(f"'{key}' must be at least {lo}, got {value}", key)
+    if hi is not None and value > hi:
+        raise _bad(f"'{key}' must be at most {hi}, got {value}", key)
+    return value
+
+
+def _float(
+    obj: dict, key: str, default: float, lo: float, hi: float | None, rule: str,
+    *, lo_open: bool = False,
+) -> float:  # fmt: skip
+    value = obj.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"'{key}' must be a number", key)
+    try:
+        number = float(value)
+    except OverflowError:  # a JSON integer too big for a float
+        number = math.inf
+    # 1e999 decodes to inf, which would slip past an open-ended range.
+    too_low = number <= lo if lo_open else number < lo
+    if not math.isfinite(number) or too_low or (hi is not None and number > hi):
+        raise _bad(f"'{key}' must be {rule}, got {value}", key)
+    return number
+
+
+def _optional_str(obj: dict, key: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _bad(f"'{key}' must be a string", key)
+    return value
+
+
+# --- structured fields --------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")  # Python's json accepts NaN/Infinity
+
+
+def _load_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise _bad(f"Request body is not valid JSON: {exc.msg} (char {exc.pos})", None) from None
+    # Bad UTF-8 and the int-digits limit raise ValueError; pathological nesting
+    # exhausts the decoder's recursion.
+    except (ValueError, RecursionError):
+        raise _bad("Request body is not valid JSON", None) from None
+    if not isinstance(body, dict):
+        raise _bad("Request body must be a JSON object", None)
+    return body
+
+
+def _flatten_content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"'{param}' must be a string or an array of text parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise _bad(f"'{where}' must be a text part; only text content is supported", where)
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"'{where}.text' must be a string", f"{where}.text")
+        texts.append(part["text"])
+    # vLLM's joiner, so prompts (and prefix-cache hits) match a direct vLLM call.
+    return "\n".join(texts)
+
+
+def _parse_messages(body: dict) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _bad("'messages' is a required property", "messages")
+    if not isinstance(messages, list):
+        raise _bad("'messages' must be an array", "messages")
+    if not messages:
+        raise _bad("'messages' must contain at least one message", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _bad(f"'{where}' must be an object", where)
+        role = msg.get("role")
+        # isinstance first: an unhashable role would make the set lookup raise.
+        if not isinstance(role, str) or role not in _ROLES:
+            raise _bad(f"'{where}.role' must be one of {sorted(_ROLES)}", f"{where}.role")
+        content = _flatten_content(msg.get("content"), f"{where}.content")
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+def _parse_prompt(body: dict) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _bad("'prompt' is a required property", "prompt")
+    # OpenAI accepts a batch of prompts; unwrap a batch of one and refuse more,
+    # since each request maps to exactly one engine sequence here.
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise _bad("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, (str, list)) and not prompt:
+        raise _bad("'prompt' must not be empty", "prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise _bad("'prompt' must be a string or an array of token ids", "prompt")
+    if not all(type(t) is int and 0 <= t <= _INT32_MAX for t in prompt):
+        raise _bad("'prompt' token ids must be non-negative integers", "prompt")
+    return tuple(prompt)
+
+
+def _parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    ok = isinstance(value, list) and len(value) <= _MAX_STOP
+    if not ok or not all(isinstance(s, str) and s for s in value):
+        msg = f"'stop' must be a non-empty string or a list of up to {_MAX_STOP} non-empty strings"
+        raise _bad(msg, "stop")
+    return tuple(value)
+
+
+def _parse_sampling(kind: Kind, body: dict) -> SamplingOptions:
+    max_tokens = _int(body, "max_tokens", lo=1)
+    if kind == "chat":
+        # OpenAI's chat API renamed max_tokens; the newer name wins when both are sent.
+        newer = _int(body, "max_completion_tokens", lo=1)
+        max_tokens = max_tokens if newer is None else newer
+    top_k = _int(body, "top_k", lo=-1, hi=_INT32_MAX)
+    return SamplingOptions(
+        temperature=_float(body, "temperature", 1.0, 0.0, 2.0, "between 0 and 2"),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", lo_open=True),
+        top_k=0 if top_k is None or top_k == -1 else top_k,
+        max_tokens=max_tokens,
+        seed=_int(body, "seed", lo=_INT64_MIN, hi=_INT64_MAX),
+        stop=_parse_stop(body.get("stop")),
+        ignore_eos=_bool(body, "ignore_eos"),
+        presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0, "between -2 and 2"),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0, "between -2 and 2"),
+        repetition_penalty=_float(
+            body, "repetition_penalty", 1.0, 0.0, None, "greater than 0", lo_open=True
+        ),
+    )
+
+
+def _reject_unsupported(body: dict) -> None:
+    n = _int(body, "n", lo=1)
+    if n is not None and n > 1:
+        raise _bad("n > 1 is not supported", "n")
+    # Ignoring tools would answer in prose where the client expects a tool
+    # call; failing loudly is kinder than a silently wrong response.
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise _bad(f"'{key}' is not supported by this server", key)
+
+
+def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> CompletionRequest:
+    """Parse and validate a request body; any client mistake raises ``APIError``."""
+    body = _load_object(raw)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("'model' is a required property and must be a string", "model")
+    if model not in served_models:
+        msg = f"The model `{model}` does not exist."
+        raise APIError(404, msg, param="model", code="model_not_found")
+
+    messages = _parse_messages(body) if kind == "chat" else ()
+    prompt = _parse_prompt(body) if kind == "completion" else None
+    _reject_unsupported(body)
+    sampling = _parse_sampling(kind, body)
+
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        if False:
+            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    include_usage = _bool(options or {}, "include_usage", param="stream_options.include_usage")
+
+    # Chat has no echo in OpenAI's API, so only completions read the field.
+    echo = kind == "completion" and _bool(body, "echo")
+    if echo:
+        raise _bad("'echo' is not supported by this server", "echo")
+    session_id = _optional_str(body, "session_id")
+    if session_id == "":
+        raise _bad("'session_id' must not be empty", "session_id")
+
+    return CompletionRequest(
+        kind=kind, model=model, messages=messages, prompt=prompt, sampling=sampling,
+        stream=stream, include_usage=include_usage, echo=echo,
+        user=_optional_str(body, "user"), session_id=session_id,
+    )  # fmt: skip
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Return the effective max_tokens, or raise 400 if the request cannot fit the context."""
+    limit = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if max_tokens is None:
+        if prompt_tokens >= max_model_len:
+            msg = (f"{limit}your request has {prompt_tokens} input tokens. "
+                   "Please reduce the length of the input messages.")  # fmt: skip
+            raise APIError(400, msg, code="context_length_exceeded")
+        return max_model_len - prompt_tokens
+    if prompt_tokens + max_tokens > max_model_len:
+        msg = (f"{limit}you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in "
+               f"the messages, {max_tokens} in the completion). Please reduce the length of "
+               "the messages or completion.")  # fmt: skip
+        raise APIError(400, msg, code="context_length_exceeded")
+    return max_tokens
+
+
+# --- response builders --------------------------------------------------------
+# Completions use "text_completion" for both chunks and full responses; chat
+# has separate names. Choices always carry "logprobs": null to match OpenAI's
+# shape exactly, though logprobs are never computed.
+
+
+def completion_id(kind: Kind) -> str:
+    """A fresh response id with OpenAI's per-endpoint prefix."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _envelope(
+    obj: str, id: str, model: str, created: int, choices: list, usage: tuple[int, int] | None = None
+) -> dict:
+    out = {"id": id, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        prompt, completion = usage
+        out["usage"] = dict(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+    return out
+
+
+def chat_chunk(
+    id: str, model: str, created: int, *,
+    role: str | None = None, content: str | None = None, finish_reason: str | None = None,
+) -> dict:  # fmt: skip
+    """One streamed chat delta; role/content left as None are omitted, as OpenAI does."""
+    delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope("chat.completion.chunk", id, model, created, [choice])
+
+
+def completion_chunk(
+    id: str, model: str, created: int, *, text: str, finish_reason: str | None = None
+) -> dict:
+    """One streamed text-completion piece."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope("text_completion", id, model, created, [choice])
+
+
+def usage_chunk(
+    kind: Kind, id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int
+) -> dict:
+    """The last chunk before [DONE] when stream_options.include_usage is set."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return _envelope(obj, id, model, created, [], (prompt_tokens, completion_tokens))
+
+
+def chat_response(
+    id: str, model: str, created: int, content: str, finish_reason: str,
+    prompt_tokens: int, completion_tokens: int,
+) -> dict:  # fmt: skip
+    """A complete non-streaming chat.completion object."""
+    message = {"role": "assistant", "content": content}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    usage = (prompt_tokens, completion_tokens)
+    return _envelope("chat.completion", id, model, created, [choice], usage)
+
+
+def completion_response(
+    id: str, model: str, created: int, text: str, finish_reason: str,
+    prompt_tokens: int, completion_tokens: int,
+) -> dict:  # fmt: skip
+    """A complete non-streaming text_completion object."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    usage = (prompt_tokens, completion_tokens)
+    return _envelope("text_completion", id, model, created, [choice], usage)
+
+
+def sse_event(data: dict | str, *, event_id: str | None = None) -> bytes:
+    """Frame one server-sent event; a str (e.g. "[DONE]") is sent verbatim."""
+    if isinstance(data, str):
+        payload = data
+    else:
+        payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    # A raw line break would end the field early and corrupt the stream framing.
+    for field in (payload, event_id or ""):
+        if "\n" in field or "\r" in field:
+            raise ValueError("SSE fields must not contain line breaks")
+    head = "" if event_id is None else f"id: {event_id}\n"
+    # "replace": a lone surrogate from a broken detokenisation must not kill
+    # the stream mid-response.
+    return f"{head}data: {payload}\n\n".encode("utf-8", "replace")

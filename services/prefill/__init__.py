@@ -1,0 +1,1 @@
+"""Prefill workers: compute a prompt's KV and first token, lease the blocks."""

@@ -1,0 +1,1 @@
+"""The router: knows every worker, decides where each request runs."""

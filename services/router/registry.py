@@ -1,0 +1,72 @@
+"""Which workers exist and whether they are serving.
+
+Workers register and then re-register every heartbeat; a worker that misses
+heartbeats for `timeout` seconds stops being offered to requests but stays
+listed (so /health can say what is missing).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pdserve.v1 import common_pb2, router_pb2
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    """One registered worker and its load as the router accounts it."""
+
+    info: router_pb2.WorkerInfo
+    last_seen: float
+    routed: int = 0                  # requests placed here (spreads load round-robin)
+
+
+class WorkerRegistry:
+    """Workers by id; liveness from heartbeats."""
+
+    def __init__(self, timeout: float, clock=time.monotonic):
+        self.timeout = timeout
+        self.clock = clock
+        self.workers: dict[str, WorkerEntry] = {}
+
+    def register(self, info: router_pb2.WorkerInfo) -> bool:
+        """Add or refresh a worker; True when it is new (or came back)."""
+        now = self.clock()
+        entry = self.workers.get(info.worker_id)
+        fresh = entry is None or not self._alive(entry, now) or entry.info.address != info.address
+        if entry is None or entry.info.address != info.address:
+            self.workers[info.worker_id] = WorkerEntry(info=info, last_seen=now)
+        else:
+            entry.info = info
+            entry.last_seen = now
+        return fresh
+
+    def deregister(self, worker_id: str) -> bool:
+        """Forget a worker (it is shutting down)."""
+        return self.workers.pop(worker_id, None) is not None
+
+    def serving(self, role: int, model: str = "", exclude: set[str] | frozenset = frozenset()
+                ) -> list[WorkerEntry]:
+        """Live workers of `role` for `model`, minus `exclude`."""
+        now = self.clock()
+        return [e for e in self.workers.values()
+                if e.info.role == role and self._alive(e, now)
+                and e.info.worker_id not in exclude
+                and (not model or e.info.model == model)]
+
+    def snapshot(self) -> list[router_pb2.WorkerInfo]:
+        """Every worker with `serving` set from its heartbeat."""
+        now = self.clock()
+        out = []
+        for e in self.workers.values():
+            info = router_pb2.WorkerInfo()
+            info.CopyFrom(e.info)
+            info.serving = self._alive(e, now)
+            out.append(info)
+        return sorted(out, key=lambda w: (w.role, w.worker_id))
+
+    def _alive(self, entry: WorkerEntry, now: float) -> bool:
+        return entry.info.serving and now - entry.last_seen <= self.timeout
+
+
+ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECODE: "decode"}

@@ -1,0 +1,68 @@
+"""The Router gRPC service: registration, heartbeats, Route."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from pdserve.config import RouterConfig
+from pdserve.lifecycle import until_signalled
+from pdserve.rpc import Server
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+from .placement import NoWorkerError, place
+from .registry import ROLE_NAMES, WorkerRegistry
+
+log = logging.getLogger("pdserve.router")
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    """Answers Route from the registry; workers keep the registry fresh."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.registry = WorkerRegistry(cfg.worker_timeout_seconds)
+
+    async def Register(self, request, context):
+        w = request.worker
+        if not w.worker_id or not w.address or w.role not in ROLE_NAMES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "worker needs worker_id, address and a prefill/decode role")
+        if self.registry.register(w):
+            log.info("worker up: %s %s at %s model=%s", ROLE_NAMES[w.role], w.worker_id,
+                     w.address, w.model)
+        interval = int(self.cfg.worker_timeout_seconds * 1000 / 3)
+        return router_pb2.RegisterResponse(heartbeat_interval_ms=interval)
+
+    async def Deregister(self, request, context):
+        if self.registry.deregister(request.worker_id):
+            log.info("worker gone: %s", request.worker_id)
+        return router_pb2.DeregisterResponse()
+
+    async def Route(self, request, context):
+        try:
+            decision, decode, prefill = place(self.registry, request,
+                                              self.cfg.local_prefill_below_tokens)
+        except NoWorkerError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        decode.routed += 1
+        if prefill is not None:
+            prefill.routed += 1
+        log.info("route %s: decode=%s prefill=%s (%s)", request.request_id,
+                 decision.decode.worker_id, decision.prefill.worker_id or "-", decision.reason)
+        return decision
+
+    async def ListWorkers(self, request, context):
+        return router_pb2.ListWorkersResponse(workers=self.registry.snapshot())
+
+
+async def serve(cfg: RouterConfig) -> None:
+    """Run the router until SIGINT/SIGTERM."""
+    service = RouterService(cfg)
+    server = Server(cfg.host, cfg.port,
+                    lambda s: router_pb2_grpc.add_RouterServicer_to_server(service, s),
+                    ["pdserve.v1.Router"])
+    await server.start()
+    log.info("router listening on %s:%d", cfg.host, server.port)
+    await until_signalled()
+    await server.stop(grace=2.0)

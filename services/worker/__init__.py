@@ -1,0 +1,1 @@
+"""What prefill and decode workers share: the engine, the gRPC server, registration."""

@@ -1,0 +1,1 @@
+"""KV-cache transfer between prefill and decode workers."""

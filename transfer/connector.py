@@ -1,0 +1,58 @@
+"""The one seam where a worker chooses how its engine moves KV blocks.
+
+Workers ask for `engine_kv_config(role, cfg)` and hand the result to vLLM as
+`kv_transfer_config`; they never name a connector themselves. Today the blocks
+move with vLLM's NixlConnector (UCX underneath; `kv_buffer_device: cpu` on CPU
+boxes). pdserve's own NIXL transfer engine plugs in here later, through
+`kv_connector_module_path`, without touching the services.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.config import KVTransferConfig
+
+# vLLM roles: the prefill engine produces blocks, the decode engine consumes
+# them. The decode worker still serves requests without a KV handle (local
+# prefill) because a consumer only pulls when a request asks it to.
+_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
+    """vLLM `KVTransferConfig` fields for a worker of `role`."""
+    if role not in _ROLES:
+        raise ValueError(f"role must be one of {sorted(_ROLES)}, got {role!r}")
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": _ROLES[role],
+        "kv_buffer_device": cfg.buffer_device,
+        # A transfer that fails is recomputed on the decode worker, not failed.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_lease_duration": cfg.lease_seconds},
+    }
+
+
+def engine_kv_env(cfg: KVTransferConfig) -> dict[str, str]:
+    """Process environment the connector reads (vLLM reads these, not flags)."""
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": cfg.side_channel_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(cfg.side_channel_port),
+        # Keep UCX on loopback on a dev box; GPU deployments override.
+        "UCX_NET_DEVICES": "lo" if cfg.buffer_device == "cpu" else "all",
+    }
+
+
+def request_params_for_prefill() -> dict[str, Any]:
+    """`kv_transfer_params` for a prefill request: keep the blocks for a decoder."""
+    return {"do_remote_decode": True, "do_remote_prefill": False,
+            "remote_engine_id": None, "remote_block_ids": None,
+            "remote_host": None, "remote_port": None}
+
+
+def request_params_for_decode(prefill_params: dict[str, Any]) -> dict[str, Any]:
+    """`kv_transfer_params` for the decode request that pulls the prefill's blocks."""
+    params = dict(prefill_params)
+    # The decode engine then reports the pulled tokens as its own cache hits,
+    # which is how callers see that the KV travelled.
+    params.pop("remote_prefill_cached_tokens", None)
+    return params
