@@ -106,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse_cpus(spec: str) -> set[int]:
+    """'0,2-3' -> {0, 2, 3}."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     """vLLM and UCX read these from the process environment, before vllm is imported."""
     from transfer.connector import engine_kv_env
@@ -114,8 +123,11 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     if cfg.engine.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, cfg.engine.kv_cache_bytes >> 30))
         if cpus:
-            # Two engines on one box must not share cores: idle OpenMP threads spin.
+            # Two engines on one box must not share cores. vLLM binds only its
+            # OpenMP threads (and on a 1-thread team not even the main one), so
+            # pin the whole worker process tree: engine core, model runner, NIXL.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+            os.sched_setaffinity(0, _parse_cpus(cpus))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

@@ -24,11 +24,16 @@ def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
         raise ValueError(f"role must be one of {sorted(_ROLES)}, got {role!r}")
     return {
         "kv_connector": "NixlConnector",
+        "kv_connector_module_path": "transfer.vllm_nixl",
         "kv_role": _ROLES[role],
         "kv_buffer_device": cfg.buffer_device,
         # A transfer that fails is recomputed on the decode worker, not failed.
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kv_lease_duration": cfg.lease_seconds},
+        "kv_connector_extra_config": {
+            "kv_lease_duration": cfg.lease_seconds,
+            # NIXL's progress thread otherwise busy-polls a core per engine.
+            "progress_poll_us": 1000,
+        },
     }
 
 

@@ -286,7 +286,7 @@ def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> Com
     if options is not None:
         if not isinstance(options, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
-        if False:
+        if not stream:
             raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     include_usage = _bool(options or {}, "include_usage", param="stream_options.include_usage")
 
