@@ -7,6 +7,7 @@ one `data: {"error": ...}` event followed by `[DONE]`.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -87,8 +88,8 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
     except oai.APIError as e:
         status = str(e.status)
         return _error_response(e, headers)
-    except (ConnectionResetError, TimeoutError, grpc.aio.AioRpcError) as e:
-        status = "499" if isinstance(e, ConnectionResetError) else "503"
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = "499"  # the client went away; leaving here cancels the decode call
         raise
     finally:
         metrics.running.labels(cfg.name).dec()

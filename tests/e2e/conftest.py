@@ -1,0 +1,121 @@
+"""The real stack for end-to-end tests, and a single vLLM engine as the reference.
+
+Both are session-scoped and run one after the other (never together: two
+engines plus a third would share 2 cores): first a stock vLLM OpenAI server
+answers every reference case and stops, then `pdserve up` starts and stays
+up for the session. Teardown checks that no process of the stack survives.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+
+from cases import CASES
+from support import Proc, free_port, pdserve_cmd
+
+def _post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _wait_http(url: str, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.popen.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not up in {timeout}s:\n" + "\n".join(proc.lines[-60:]))
+
+
+def _output(kind: str, resp: dict) -> str:
+    choice = resp["choices"][0]
+    return choice["message"]["content"] if kind == "chat" else choice["text"]
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir) -> dict[str, dict]:
+    """Each case answered by one stock vLLM engine serving the same model directory."""
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                 "--model", str(model_dir), "--dtype", "float32", "--enforce-eager",
+                 "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+                 "--no-enable-prefix-caching"],
+                env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"},
+                name="vllm-reference")
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, 300)
+        out = {}
+        for case in CASES:
+            path = "chat/completions" if case.kind == "chat" else "completions"
+            resp = _post(f"http://127.0.0.1:{port}/v1/{path}", case.body(str(model_dir), False))
+            out[case.name] = {"text": _output(case.kind, resp), "usage": resp["usage"]}
+        return out
+    finally:
+        proc.stop(timeout=60)
+
+
+def _free_port_pair() -> int:
+    """A port p with p and p+1 both free (prefill and decode NIXL side channels)."""
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no free port pair")
+
+
+@dataclass
+class Stack:
+    """A running `pdserve up` and where to reach its parts."""
+
+    proc: Proc
+    url: str
+    model: str
+    router: str
+    prefill: str
+    decode: str
+
+
+@pytest.fixture(scope="session")
+def stack(model_dir, reference) -> Stack:
+    """`pdserve up` on free loopback ports; stopped (and checked) at session end."""
+    ports = {k: free_port() for k in ("edge", "router", "prefill", "decode")}
+    proc = Proc(pdserve_cmd("up", "--port", str(ports["edge"]), "--router-port",
+                            str(ports["router"]), "--prefill-port", str(ports["prefill"]),
+                            "--decode-port", str(ports["decode"]),
+                            "--kv-port", str(_free_port_pair()), "--model", str(model_dir)),
+                name="pdserve-up")
+    stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
+                  router=f"127.0.0.1:{ports['router']}",
+                  prefill=f"127.0.0.1:{ports['prefill']}", decode=f"127.0.0.1:{ports['decode']}")
+    try:
+        proc.wait_for("pdserve ready", timeout=400)
+        tree = proc.descendants()
+        assert len(tree) >= 4, f"expected router, prefill, decode, edge; got {tree}"
+        yield stack
+    finally:
+        tree = proc.descendants()
+        code = proc.stop(timeout=90)
+        import psutil
+        alive = [p for p in tree if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"processes left after shutdown: {alive}"
+        assert code == 0, f"pdserve up exited {code}:\n" + "\n".join(proc.lines[-40:])

@@ -1,0 +1,124 @@
+"""One real request through edge -> router -> prefill -> NIXL -> decode, on vLLM."""
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from cases import CASES, MAX_TOKENS, Case
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+
+def _sse_stream(stack, case: Case) -> tuple[str, dict, dict]:
+    """Stream one case over raw HTTP: (text, usage, headers)."""
+    path = "chat/completions" if case.kind == "chat" else "completions"
+    body = case.body(stack.model, True) | {"stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{stack.url}/v1/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, usage = [], None
+    with urllib.request.urlopen(req, timeout=120) as r:
+        headers = dict(r.headers)
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = r.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], events[-3:]
+    for ev in events[:-2]:
+        data = json.loads(ev.removeprefix("data: "))
+        if data.get("usage"):
+            usage = data["usage"]
+        for choice in data["choices"]:
+            text.append(choice["delta"].get("content") or "" if case.kind == "chat"
+                        else choice["text"])
+    return "".join(text), usage, headers
+
+
+def _metric(stack, name: str) -> float:
+    with urllib.request.urlopen(f"{stack.url}/metrics", timeout=10) as r:
+        body = r.read().decode()
+    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
+                                           body, re.M))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_streamed_text_equals_single_vllm_engine(stack, reference, case):
+    before = _metric(stack, "pdserve_kv_transferred_tokens_total")
+    text, usage, headers = _sse_stream(stack, case)
+    ref = reference[case.name]
+    assert headers["x-pdserve-path"] == "disaggregated"
+    assert usage["prompt_tokens"] == ref["usage"]["prompt_tokens"] > 2 * 128
+    assert usage["completion_tokens"] == ref["usage"]["completion_tokens"] == MAX_TOKENS
+    assert text == ref["text"]
+    # The decode engine took the prompt's KV from the prefill worker instead
+    # of computing it: every prompt token but the last (which it recomputes).
+    moved = _metric(stack, "pdserve_kv_transferred_tokens_total") - before
+    assert usage["prompt_tokens"] - 1 <= moved <= usage["prompt_tokens"]
+
+
+def test_unmodified_openai_client_streams_chat_and_completion(stack, reference):
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    chat_case = next(c for c in CASES if c.kind == "chat")
+    chunks = list(client.chat.completions.create(
+        model=stack.model, messages=chat_case.payload["messages"], temperature=0,
+        max_tokens=MAX_TOKENS, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        reference[chat_case.name]["text"]
+
+    comp_case = next(c for c in CASES if c.kind == "completion")
+    stream = client.completions.create(model=stack.model, prompt=comp_case.payload["prompt"],
+                                       temperature=0, max_tokens=MAX_TOKENS, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == reference[comp_case.name]["text"]
+
+    full = client.completions.create(model=stack.model, prompt=comp_case.payload["prompt"],
+                                     temperature=0, max_tokens=MAX_TOKENS,
+                                     extra_body={"ignore_eos": True})
+    assert full.choices[0].text == reference[comp_case.name]["text"]
+    assert full.usage.completion_tokens == MAX_TOKENS
+
+
+def test_short_prompt_takes_local_path(stack):
+    req = urllib.request.Request(f"{stack.url}/v1/completions", data=json.dumps(
+        {"model": stack.model, "prompt": "hi", "max_tokens": 4}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["x-pdserve-path"] == "local"
+        body = json.loads(r.read())
+    assert body["usage"]["completion_tokens"] >= 1
+
+
+def _decode(stub, request_id, ids, kv=None) -> tuple[list[int], decode_pb2.DecodeChunk]:
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    chunks = list(stub.Decode(decode_pb2.DecodeRequest(
+        request_id=request_id, prompt_token_ids=ids, sampling=sampling, kv=kv), timeout=120))
+    return [t for c in chunks for t in c.token_ids], chunks[0]
+
+
+def test_decode_uses_the_transferred_kv_not_its_own(stack, model_dir):
+    """Hand decode prompt B together with the KV of prompt A (same length, same
+    last token): if the blocks really travelled, decode continues A, not B."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    a = tok.encode(CASES[1].payload["prompt"])[:400]
+    b = list(a)
+    b[1:200] = tok.encode(CASES[0].payload["prompt"])[1:200]
+    assert len(a) == len(b) and a[-1] == b[-1] and a != b
+
+    with grpc.insecure_channel(stack.prefill) as pch, grpc.insecure_channel(stack.decode) as dch:
+        prefill = prefill_pb2_grpc.PrefillStub(pch)
+        decode = decode_pb2_grpc.DecodeStub(dch)
+        local_a, _ = _decode(decode, "swap-local-a", a)
+        local_b, _ = _decode(decode, "swap-local-b", b)
+        assert local_a != local_b
+        handle = prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="swap-a", prompt_token_ids=a,
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=12)), timeout=60)
+        assert handle.kv.num_tokens >= len(a) - 1 and len(handle.kv.block_ids) == 4
+        assert handle.first_token_id == local_a[0]
+        swapped, first = _decode(decode, "swap-b-with-a", b, kv=handle.kv)
+    assert first.num_external_tokens >= len(a) - 1
+    assert swapped == local_a

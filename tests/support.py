@@ -1,0 +1,74 @@
+"""Helpers for tests that run real processes: free ports, child processes with logs."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "models" / "tiny-llama"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process whose output is kept, readable while it runs."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None, name: str = ""):
+        self.name = name or cmd[0]
+        self.lines: list[str] = []
+        self.popen = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        """Block until a line contains `text`; fail with the log tail otherwise."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.2)
+        tail = "\n".join(self.lines[-60:])
+        raise AssertionError(f"{self.name}: no {text!r} within {timeout}s "
+                             f"(exit {self.popen.poll()}). Log tail:\n{tail}")
+
+    def descendants(self) -> list[int]:
+        """PIDs of every process in the child's tree (it runs in its own session)."""
+        import psutil
+        try:
+            return [p.pid for p in psutil.Process(self.popen.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, wait; SIGKILL the session if it does not stop. Returns the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+            raise AssertionError(f"{self.name} did not stop within {timeout}s of SIGTERM")
+
+
+def pdserve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", *args]
