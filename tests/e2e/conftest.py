@@ -8,7 +8,6 @@ up for the session. Teardown checks that no process of the stack survives.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import time
@@ -82,6 +81,18 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 @dataclass
 class Stack:
     """A running `pdserve up` and where to reach its parts."""
@@ -114,8 +125,9 @@ def stack(model_dir, reference) -> Stack:
     finally:
         tree = proc.descendants()
         code = proc.stop(timeout=90)
-        import psutil
-        alive = [p for p in tree if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        # SIGKILL is asynchronous: give the kernel a moment to finish the stragglers.
+        deadline = time.monotonic() + 10
+        while (alive := _alive(tree)) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert not alive, f"processes left after shutdown: {alive}"
         assert code == 0, f"pdserve up exited {code}:\n" + "\n".join(proc.lines[-40:])

@@ -1,0 +1,44 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+# Both create/refresh .venv when pyproject.toml changes.
+#   make run                      the whole stack on this CPU machine (edge on :8000)
+#   make run ARGS="--port 9000"   flags go to `pdserve up` (see README for GPU flags)
+#   make test                     stale-stub check + the whole test suite
+#   make proto                    regenerate gRPC stubs after editing proto/
+SHELL := /bin/bash
+PYTHON ?= python3
+EXTRAS ?= cpu
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(EXTRAS)
+
+.PHONY: run test proto check-proto clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS),dev]'
+ifeq ($(EXTRAS),cpu)
+	# Beside the CPU torch these break `import transformers`; triton is 1 GB unused on CPU.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+endif
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pdserve up $(ARGS)
+
+test: $(STAMP) check-proto
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+proto: $(STAMP)
+	scripts/gen_proto.sh
+
+# Fails when pdserve/v1/ differs from what proto/ generates.
+check-proto: $(STAMP)
+	@tmp=$$(mktemp -d) && trap 'rm -rf $$tmp' EXIT && \
+	PYTHON=$(PY) scripts/gen_proto.sh $$tmp && \
+	diff -r -x __pycache__ $$tmp/pdserve/v1 pdserve/v1 >/dev/null || \
+	{ echo "gRPC stubs in pdserve/v1 are stale: run 'make proto' and commit"; exit 1; }
+	@echo "gRPC stubs are current"
+
+clean:
+	rm -rf $(VENV) models
