@@ -1,0 +1,120 @@
+"""The router over real gRPC: registration, liveness, placement."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.config import RouterConfig
+from pdserve.rpc import Server, channel
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.router.placement import place
+from services.router.registry import WorkerRegistry
+from services.router.server import RouterService
+
+PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
+
+
+def _worker(wid: str, role: int, model: str = "m") -> router_pb2.WorkerInfo:
+    return router_pb2.WorkerInfo(worker_id=wid, role=role, address=f"127.0.0.1:{hash(wid) % 999 + 1}",
+                                 model=model, serving=True)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def router():
+    """A real router gRPC server on a free port and a stub to it."""
+    service = RouterService(RouterConfig(port=0, local_prefill_below_tokens=32))
+    server = Server("127.0.0.1", 0, lambda s: router_pb2_grpc.add_RouterServicer_to_server(
+        service, s), ["pdserve.v1.Router"])
+    await server.start()
+    ch = channel(f"127.0.0.1:{server.port}")
+    yield router_pb2_grpc.RouterStub(ch), service
+    await ch.close()
+    await server.stop(0)
+
+
+async def test_route_disaggregated_then_local_for_short_prompts(router):
+    stub, _ = router
+    for w in (_worker("p0", PREFILL), _worker("d0", DECODE)):
+        await stub.Register(router_pb2.RegisterRequest(worker=w))
+    long = await stub.Route(router_pb2.RouteRequest(request_id="r1", model="m", prompt_tokens=500))
+    assert (long.decode.worker_id, long.prefill.worker_id, long.local_prefill) == ("d0", "p0", False)
+    short = await stub.Route(router_pb2.RouteRequest(request_id="r2", model="m", prompt_tokens=5))
+    assert short.local_prefill and not short.HasField("prefill") and short.decode.worker_id == "d0"
+
+
+async def test_no_decode_worker_is_unavailable(router):
+    stub, _ = router
+    await stub.Register(router_pb2.RegisterRequest(worker=_worker("p0", PREFILL)))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Route(router_pb2.RouteRequest(request_id="r", model="m", prompt_tokens=500))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_register_rejects_incomplete_worker(router):
+    stub, _ = router
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Register(router_pb2.RegisterRequest(worker=router_pb2.WorkerInfo(worker_id="x")))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_deregistered_worker_is_not_routed(router):
+    stub, _ = router
+    for w in (_worker("d0", DECODE), _worker("d1", DECODE)):
+        await stub.Register(router_pb2.RegisterRequest(worker=w))
+    await stub.Deregister(router_pb2.DeregisterRequest(worker_id="d0"))
+    listed = await stub.ListWorkers(router_pb2.ListWorkersRequest())
+    assert [w.worker_id for w in listed.workers] == ["d1"]
+    for i in range(5):
+        d = await stub.Route(router_pb2.RouteRequest(request_id=str(i), model="m", prompt_tokens=5))
+        assert d.decode.worker_id == "d1"
+
+
+def test_missed_heartbeats_take_a_worker_out_until_it_returns():
+    clock = FakeClock()
+    reg = WorkerRegistry(timeout=6.0, clock=clock)
+    assert reg.register(_worker("d0", DECODE))
+    clock.now = 7.0
+    assert reg.serving(DECODE) == []
+    assert [w.serving for w in reg.snapshot()] == [False]
+    assert reg.register(_worker("d0", DECODE))  # back: reported as fresh
+    assert [e.info.worker_id for e in reg.serving(DECODE)] == ["d0"]
+
+
+def test_sessions_stick_to_one_decode_worker_and_move_only_when_it_goes():
+    reg = WorkerRegistry(timeout=6.0, clock=FakeClock())
+    for i in range(4):
+        reg.register(_worker(f"d{i}", DECODE))
+    req = lambda s, ex=(): router_pb2.RouteRequest(session_id=s, model="m", prompt_tokens=5,
+                                                   exclude_workers=list(ex))
+    first = {s: place(reg, req(s), 32)[0].decode.worker_id for s in map(str, range(200))}
+    again = {s: place(reg, req(s), 32)[0].decode.worker_id for s in map(str, range(200))}
+    assert first == again and len(set(first.values())) == 4
+    without = {s: place(reg, req(s, ["d0"]), 32)[0].decode.worker_id for s in first}
+    moved = [s for s in first if first[s] != without[s]]
+    assert moved and all(first[s] == "d0" for s in moved)
+
+
+def test_requests_without_session_spread_over_workers():
+    reg = WorkerRegistry(timeout=6.0, clock=FakeClock())
+    for i in range(3):
+        reg.register(_worker(f"d{i}", DECODE))
+    seen = []
+    for _ in range(6):
+        _, decode, _ = place(reg, router_pb2.RouteRequest(model="m", prompt_tokens=5), 32)
+        decode.routed += 1
+        seen.append(decode.info.worker_id)
+    assert sorted(seen) == ["d0", "d0", "d1", "d1", "d2", "d2"]
+
+
+def test_model_mismatch_is_not_routed():
+    reg = WorkerRegistry(timeout=6.0, clock=FakeClock())
+    reg.register(_worker("d0", DECODE, model="other"))
+    assert reg.serving(DECODE, "m") == []
