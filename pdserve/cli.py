@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start router, prefill, decode and edge on this machine")
     up.add_argument("--host", default=_env("PDSERVE_HOST", "127.0.0.1"), help="edge bind address")
     up.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")), help="edge port")
+    up.add_argument("--grpc-port", type=int, default=50081,
+                    help="edge's internal Inference gRPC API")
     up.add_argument("--router-port", type=int, default=50051)
     up.add_argument("--prefill-port", type=int, default=50061)
     up.add_argument("--decode-port", type=int, default=50071)
@@ -92,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("edge", help="run the HTTP edge")
     e.add_argument("--host", default=_env("PDSERVE_HOST", "127.0.0.1"))
     e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
+    e.add_argument("--grpc-port", type=int, default=50081, help="internal Inference gRPC API")
     e.add_argument("--router", default="127.0.0.1:50051")
     e.add_argument("--model", default=_env("PDSERVE_MODEL", ""))
     e.add_argument("--served-model-name", default="")
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             _run(serve(EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                                   served_model_name=a.served_model_name,
                                   max_model_len=a.max_model_len, host=a.host, port=a.port,
-                                  router=a.router, min_prefill_workers=a.min_prefill_workers,
+                                  grpc_port=a.grpc_port, router=a.router, min_prefill_workers=a.min_prefill_workers,
                                   min_decode_workers=a.min_decode_workers)))
         elif a.command == "up":
             from pdserve.supervisor import run_stack

@@ -120,6 +120,7 @@ class EdgeConfig:
     max_model_len: int = 2048
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int = 50081               # the internal Inference API
     router: str = "127.0.0.1:50051"
     min_prefill_workers: int = 1         # /health is 503 until this many serve
     min_decode_workers: int = 1
@@ -129,6 +130,7 @@ class EdgeConfig:
         if not self.model:
             raise ValueError("model must be a path or a model name")
         _check_port("port", self.port)
+        _check_port("grpc_port", self.grpc_port)
         _check_positive("max_model_len", self.max_model_len)
         if self.min_prefill_workers < 0 or self.min_decode_workers < 1:
             raise ValueError("min_prefill_workers must be >= 0 and min_decode_workers >= 1")

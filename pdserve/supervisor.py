@@ -55,7 +55,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     return [("router", me + ["router", "--port", str(a.router_port),
                              "--local-prefill-below", str(a.local_prefill_below)], {}),
             *workers,
-            ("edge", me + ["edge", "--host", a.host, "--port", str(a.port), "--router", router,
+            ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
+                           "--grpc-port", str(a.grpc_port), "--router", router,
                            "--model", eng.model, "--served-model-name", eng.name,
                            "--max-model-len", str(eng.max_model_len)], {})]
 

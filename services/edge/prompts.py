@@ -30,9 +30,17 @@ class PromptEncoder:
                                param="messages") from e
             return self.tokenizer.encode(text, add_special_tokens=False)
         if isinstance(req.prompt, tuple):
-            bad = [t for t in req.prompt if t >= self.vocab_size]
-            if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary "
-                                    f"(size {self.vocab_size})", param="prompt")
-            return list(req.prompt)
-        return self.tokenizer.encode(req.prompt)
+            return self.check_ids(list(req.prompt), param="prompt")
+        return self.encode_text(req.prompt)
+
+    def encode_text(self, text: str) -> list[int]:
+        """A completion prompt's ids: the tokenizer's own special tokens included."""
+        return self.tokenizer.encode(text)
+
+    def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        """Token ids given by the caller, checked against the vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary "
+                                f"(size {self.vocab_size})", param=param)
+        return ids

@@ -7,8 +7,11 @@ from aiohttp import web
 
 from pdserve.config import EdgeConfig
 from pdserve.lifecycle import until_signalled
+from pdserve.rpc import Server
+from pdserve.v1 import inference_pb2_grpc
 
 from .app import build_app
+from .inference import InferenceService
 from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
 
@@ -18,7 +21,13 @@ log = logging.getLogger("pdserve.edge")
 async def serve(cfg: EdgeConfig) -> None:
     """Serve HTTP on cfg.host:cfg.port until signalled; streams in flight get 30 s to finish."""
     orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds)
-    app = build_app(cfg, orchestrator, PromptEncoder(cfg.model))
+    encoder = PromptEncoder(cfg.model)
+    app = build_app(cfg, orchestrator, encoder)
+    inference = InferenceService(cfg, orchestrator, encoder)
+    grpc_server = Server(cfg.host, cfg.grpc_port,
+                         lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(inference, s),
+                         ["pdserve.v1.Inference"])
+    await grpc_server.start()
     # handler_cancellation: a client that goes away cancels its handler, which
     # cancels the decode call, which aborts the request on the worker.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=30.0,
@@ -26,11 +35,12 @@ async def serve(cfg: EdgeConfig) -> None:
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
-    log.info("edge listening on http://%s:%d (model %s, router %s)", cfg.host, cfg.port,
-             cfg.name, cfg.router)
+    log.info("edge listening on http://%s:%d, Inference gRPC on :%d (model %s, router %s)",
+             cfg.host, cfg.port, grpc_server.port, cfg.name, cfg.router)
     try:
         await until_signalled()
     finally:
         log.info("edge draining")
+        await grpc_server.stop(grace=10.0)
         await runner.cleanup()
         await orchestrator.close()

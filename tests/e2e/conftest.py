@@ -100,6 +100,7 @@ class Stack:
     proc: Proc
     url: str
     model: str
+    inference: str
     router: str
     prefill: str
     decode: str
@@ -108,14 +109,15 @@ class Stack:
 @pytest.fixture(scope="session")
 def stack(model_dir, reference) -> Stack:
     """`pdserve up` on free loopback ports; stopped (and checked) at session end."""
-    ports = {k: free_port() for k in ("edge", "router", "prefill", "decode")}
-    proc = Proc(pdserve_cmd("up", "--port", str(ports["edge"]), "--router-port",
+    ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
+    proc = Proc(pdserve_cmd("up", "--port", str(ports["edge"]), "--grpc-port", str(ports["grpc"]),
+                            "--router-port",
                             str(ports["router"]), "--prefill-port", str(ports["prefill"]),
                             "--decode-port", str(ports["decode"]),
                             "--kv-port", str(_free_port_pair()), "--model", str(model_dir)),
                 name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
-                  router=f"127.0.0.1:{ports['router']}",
+                  inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",
                   prefill=f"127.0.0.1:{ports['prefill']}", decode=f"127.0.0.1:{ports['decode']}")
     try:
         proc.wait_for("pdserve ready", timeout=400)
