@@ -139,47 +139,59 @@ def _run(coro) -> None:
     uvloop.run(coro)
 
 
+def _config(a: argparse.Namespace):
+    """The validated config for `a.command` (raises ValueError naming the field)."""
+    if a.command == "router":
+        return RouterConfig(host=a.host, port=a.port,
+                            local_prefill_below_tokens=a.local_prefill_below,
+                            worker_timeout_seconds=a.worker_timeout)
+    if a.command in ("prefill", "decode"):
+        return WorkerConfig(role=a.command, engine=_engine_config(a),
+                            kv=KVTransferConfig(side_channel_port=a.kv_port,
+                                                lease_seconds=a.kv_lease_seconds,
+                                                buffer_device=a.device),
+                            host=a.host, port=a.port, advertise_host=a.advertise_host,
+                            router=a.router, worker_id=a.worker_id)
+    if a.command == "edge":
+        return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
+                          served_model_name=a.served_model_name, max_model_len=a.max_model_len,
+                          host=a.host, port=a.port, grpc_port=a.grpc_port, router=a.router,
+                          min_prefill_workers=a.min_prefill_workers,
+                          min_decode_workers=a.min_decode_workers)
+    if a.command == "up":
+        return _engine_config(a)
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {a.command:>7} %(levelname)s %(name)s: %(message)s")
     try:
-        if a.command == "build-model":
-            from pdserve.tiny_model import ensure_tiny_model
-            print(ensure_tiny_model(Path(a.out), seed=a.seed))
-        elif a.command == "router":
-            from services.router.server import serve
-            _run(serve(RouterConfig(host=a.host, port=a.port,
-                                    local_prefill_below_tokens=a.local_prefill_below,
-                                    worker_timeout_seconds=a.worker_timeout)))
-        elif a.command in ("prefill", "decode"):
-            cfg = WorkerConfig(role=a.command, engine=_engine_config(a),
-                               kv=KVTransferConfig(side_channel_port=a.kv_port,
-                                                   lease_seconds=a.kv_lease_seconds,
-                                                   buffer_device=a.device),
-                               host=a.host, port=a.port, advertise_host=a.advertise_host,
-                               router=a.router, worker_id=a.worker_id)
-            _engine_env(cfg, a.cpus)
-            from services.worker.main import serve_worker
-            if a.command == "prefill":
-                from services.prefill.server import PrefillService as svc, add_to_server
-            else:
-                from services.decode.server import DecodeService as svc, add_to_server
-            _run(serve_worker(cfg, svc, add_to_server, f"pdserve.v1.{a.command.title()}"))
-        elif a.command == "edge":
-            from services.edge.server import serve
-            _run(serve(EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
-                                  served_model_name=a.served_model_name,
-                                  max_model_len=a.max_model_len, host=a.host, port=a.port,
-                                  grpc_port=a.grpc_port, router=a.router, min_prefill_workers=a.min_prefill_workers,
-                                  min_decode_workers=a.min_decode_workers)))
-        elif a.command == "up":
-            from pdserve.supervisor import run_stack
-            sys.exit(run_stack(a, _engine_config(a)))
+        cfg = _config(a)
     except ValueError as e:
-        # Config validation: name the field, no traceback.
-        print(f"pdserve {a.command}: {e}", file=sys.stderr)
+        print(f"pdserve {a.command}: {e}", file=sys.stderr)  # names the field; no traceback
         sys.exit(2)
+    if a.command == "build-model":
+        from pdserve.tiny_model import ensure_tiny_model
+        print(ensure_tiny_model(Path(a.out), seed=a.seed))
+    elif a.command == "router":
+        from services.router.server import serve
+        _run(serve(cfg))
+    elif a.command in ("prefill", "decode"):
+        _engine_env(cfg, a.cpus)
+        from services.worker.main import serve_worker
+        if a.command == "prefill":
+            from services.prefill.server import PrefillService as service, add_to_server
+        else:
+            from services.decode.server import DecodeService as service, add_to_server
+        _run(serve_worker(cfg, service, add_to_server, f"pdserve.v1.{a.command.title()}"))
+    elif a.command == "edge":
+        from services.edge.server import serve
+        _run(serve(cfg))
+    elif a.command == "up":
+        from pdserve.supervisor import run_stack
+        sys.exit(run_stack(a, cfg))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""Config validation names the field; the CLI turns a bad flag into exit code 2."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterConfig, WorkerConfig
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: EngineConfig(model=""), "model"),
+    (lambda: EngineConfig(model="m", device="tpu"), "device"),
+    (lambda: EngineConfig(model="m", dtype="int3"), "dtype"),
+    (lambda: EngineConfig(model="m", max_model_len=0), "max_model_len"),
+    (lambda: EngineConfig(model="m", gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (lambda: KVTransferConfig(side_channel_port=70000), "side_channel_port"),
+    (lambda: KVTransferConfig(connector="carrier-pigeon"), "connector"),
+    (lambda: WorkerConfig(role="cook", engine=EngineConfig(model="m")), "role"),
+    (lambda: RouterConfig(local_prefill_below_tokens=-1), "local_prefill_below_tokens"),
+    (lambda: EdgeConfig(model="m", port=-1), "port"),
+    (lambda: EdgeConfig(model="m", min_decode_workers=0), "min_decode_workers"),
+])
+def test_invalid_config_names_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_defaults_are_cpu_and_loopback():
+    engine = EngineConfig(model="m")
+    assert (engine.device, engine.dtype, engine.name) == ("cpu", "float32", "m")
+    assert EdgeConfig(model="m").host == RouterConfig().host == "127.0.0.1"
+    assert EdgeConfig(model="m").port == 8000
+
+
+def test_cli_rejects_bad_flag_with_exit_2():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "router", "--port", "99999"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "port" in out.stderr and "Traceback" not in out.stderr
