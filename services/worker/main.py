@@ -20,12 +20,11 @@ _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER
 async def serve_worker(cfg: WorkerConfig, make_servicer, add_to_server, service_name: str) -> None:
     """Build the engine, serve `service_name` on gRPC, stay registered until signalled."""
     engine = VllmEngine(cfg.engine, cfg.role, cfg.kv)
-    worker_id = cfg.worker_id or f"{cfg.role}-{socket.gethostname()}-{cfg.port or 'auto'}"
-    servicer = make_servicer(engine, worker_id)
+    servicer = make_servicer(engine, cfg.worker_id)
     server = Server(cfg.host, cfg.port, lambda s: add_to_server(servicer, s), [service_name])
-    if not cfg.worker_id and not cfg.port:
-        worker_id = f"{cfg.role}-{socket.gethostname()}-{server.port}"
-        servicer.worker_id = worker_id
+    # Default id from the bound port, so that port 0 still gives a stable, unique name.
+    worker_id = servicer.worker_id = (cfg.worker_id
+                                      or f"{cfg.role}-{socket.gethostname()}-{server.port}")
     await server.start()
     address = f"{cfg.advertise_host or cfg.host}:{server.port}"
     info = router_pb2.WorkerInfo(worker_id=worker_id, role=_ROLES[cfg.role], address=address,
