@@ -120,3 +120,4 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
         return 0
     finally:
         _stop(procs)
+        print(f"pdserve: stopped {len(procs)} processes", file=sys.stderr, flush=True)

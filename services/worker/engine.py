@@ -104,5 +104,10 @@ class VllmEngine:
         await self.llm.abort(request_id)
 
     def shutdown(self) -> None:
-        """Stop the engine core process."""
-        self.llm.shutdown()
+        """Stop the engine core process (idempotent)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
+            # NOTE: dropping the last reference here runs AsyncLLM.__del__ (which
+            # shuts down again) while modules are alive, not at interpreter exit.
+            del llm
