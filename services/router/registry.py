@@ -55,8 +55,14 @@ class WorkerRegistry:
                 and (not model or e.info.model == model)]
 
     def snapshot(self) -> list[router_pb2.WorkerInfo]:
-        """Every worker with `serving` set from its heartbeat."""
+        """Every worker with `serving` set from its heartbeat.
+
+        A worker silent for 10 heartbeat timeouts is forgotten: it was replaced
+        or removed without deregistering, and should not hold /health down.
+        """
         now = self.clock()
+        for wid in [w for w, e in self.workers.items() if now - e.last_seen > 10 * self.timeout]:
+            del self.workers[wid]
         out = []
         for e in self.workers.values():
             info = router_pb2.WorkerInfo()

@@ -86,6 +86,8 @@ def test_missed_heartbeats_take_a_worker_out_until_it_returns():
     assert [w.serving for w in reg.snapshot()] == [False]
     assert reg.register(_worker("d0", DECODE))  # back: reported as fresh
     assert [e.info.worker_id for e in reg.serving(DECODE)] == ["d0"]
+    clock.now = 7.0 + 61
+    assert reg.snapshot() == []  # silent for 10 timeouts: forgotten
 
 
 def test_sessions_stick_to_one_decode_worker_and_move_only_when_it_goes():
