@@ -64,11 +64,11 @@ def _sampling(s: oai.SamplingOptions, max_tokens: int) -> common_pb2.SamplingPar
 async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:
     cfg, orch, metrics = request.app[CONFIG], request.app[ORCH], request.app[METRICS]
     started = time.perf_counter()
-    req = oai.parse_request(kind, await request.read(), {cfg.name})
-    ids = request.app[ENCODER].encode(req)
-    max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
     rid = oai.completion_id(kind)
     try:
+        req = oai.parse_request(kind, await request.read(), {cfg.name})
+        ids = request.app[ENCODER].encode(req)
+        max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
         stream = await orch.start(Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
                                              sampling=_sampling(req.sampling, max_tokens),
                                              session_id=req.session_id or ""))
@@ -83,7 +83,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
     status = "200"
     try:
         relay = _relay_sse if req.stream else _relay_json
-        return await relay(request, req, stream, headers, started)
+        return await relay(request, req, stream, headers)
     except oai.APIError as e:
         status = str(e.status)
         return _error_response(e, headers)
@@ -96,19 +96,18 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         metrics.generation_tokens.labels(cfg.name).inc(stream.completion_tokens)
         metrics.kv_external_tokens.labels(cfg.name).inc(stream.stats.get("decode_external_tokens", 0))
         metrics.e2e.labels(cfg.name, stream.path).observe(time.perf_counter() - started)
+        if stream.first_token_at is not None:
+            metrics.ttft.labels(cfg.name, stream.path).observe(stream.first_token_at - started)
         log.info("request %s done: path=%s prompt=%d completion=%d status=%s %.0f ms", rid,
                  stream.path, len(ids), stream.completion_tokens, status,
                  (time.perf_counter() - started) * 1000)
 
 
-async def _relay_json(request, req: oai.CompletionRequest, stream: GenerationStream, headers,
-                      started) -> web.Response:
+async def _relay_json(request, req: oai.CompletionRequest, stream: GenerationStream,
+                      headers) -> web.Response:
     texts = []
     async with contextlib.aclosing(stream.chunks()) as chunks:
         async for chunk in chunks:
-            if chunk.token_ids and not texts:
-                request.app[METRICS].ttft.labels(req.model, stream.path).observe(
-                    time.perf_counter() - started)
             texts.append(chunk.text)
     created, text = int(time.time()), "".join(texts)
     build = oai.chat_response if req.kind == "chat" else oai.completion_response
@@ -117,8 +116,8 @@ async def _relay_json(request, req: oai.CompletionRequest, stream: GenerationStr
     return web.json_response(body, headers=headers)
 
 
-async def _relay_sse(request, req: oai.CompletionRequest, stream: GenerationStream, headers,
-                     started) -> web.StreamResponse:
+async def _relay_sse(request, req: oai.CompletionRequest, stream: GenerationStream,
+                     headers) -> web.StreamResponse:
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
@@ -134,14 +133,9 @@ async def _relay_sse(request, req: oai.CompletionRequest, stream: GenerationStre
     if req.kind == "chat":
         await resp.write(oai.sse_event(oai.chat_chunk(rid, model, created, role="assistant",
                                                       content="")))
-    first = True
     try:
         async with contextlib.aclosing(stream.chunks()) as chunks:
             async for chunk in chunks:
-                if first and chunk.token_ids:
-                    first = False
-                    request.app[METRICS].ttft.labels(model, stream.path).observe(
-                        time.perf_counter() - started)
                 if chunk.text:
                     await resp.write(event(chunk.text))
         await resp.write(event(None if req.kind == "chat" else "",

@@ -50,6 +50,7 @@ class GenerationStream:
     timeout: float
     completion_tokens: int = 0
     finish_reason: str | None = None
+    first_token_at: float | None = None         # perf_counter() when the first token arrived
     stats: dict = field(default_factory=dict)
 
     async def chunks(self) -> AsyncIterator[decode_pb2.DecodeChunk]:
@@ -63,6 +64,8 @@ class GenerationStream:
                 if chunk.num_prompt_tokens:
                     self.stats.update(decode_cached_tokens=chunk.num_cached_tokens,
                                       decode_external_tokens=chunk.num_external_tokens)
+                if chunk.token_ids and self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
                 self.completion_tokens += len(chunk.token_ids)
                 if chunk.finish_reason:
                     self.finish_reason = FINISH_NAMES.get(chunk.finish_reason, "stop")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -91,3 +92,8 @@ def test_service_still_works_after_bad_input(stack):
     code, resp = _post(stack, "/v1/completions", _j(model=stack.model, prompt="hi",
                                                      max_tokens=3))
     assert code == 200 and resp["usage"]["completion_tokens"] >= 1
+    with urllib.request.urlopen(f"{stack.url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    rejected = re.findall(r'pdserve_requests_total\{endpoint="[^"]+",path="none",status="4\d\d"\} '
+                          r'(\S+)', metrics)
+    assert sum(float(v) for v in rejected) >= len(BAD)
