@@ -20,7 +20,7 @@ from pathlib import Path
 from pdserve.config import EngineConfig
 
 _READY_TIMEOUT_S = 600
-_STOP_GRACE_S = 20
+_STOP_GRACE_S = 40  # the edge gives in-flight streams 30 s
 
 
 def _split_cores() -> tuple[str, str]:
@@ -70,21 +70,27 @@ def _healthy(url: str) -> bool:
 
 
 def _stop(procs: dict[str, subprocess.Popen]) -> None:
-    """SIGTERM in reverse start order (edge first), then SIGKILL what remains."""
-    for name, p in reversed(list(procs.items())):
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_GRACE_S
-    for name, p in procs.items():
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"pdserve: {name} did not stop in {_STOP_GRACE_S}s; killing", file=sys.stderr)
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # engine subprocesses left in its session
-        except ProcessLookupError:
-            pass
-        p.wait()
+    """Stop in reverse start order, one tier at a time: the edge drains its streams
+    while the workers still serve them, then the workers, then the router.
+    Whatever is left of a child's session after its grace period is SIGKILLed."""
+    tiers = [["edge"], ["prefill", "decode"], ["router"]]
+    for tier in tiers:
+        members = [(n, procs[n]) for n in tier if n in procs]
+        for _, p in members:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for name, p in members:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"pdserve: {name} did not stop in {_STOP_GRACE_S}s; killing",
+                      file=sys.stderr)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # engine subprocesses left in its session
+            except ProcessLookupError:
+                pass
+            p.wait()
 
 
 def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
