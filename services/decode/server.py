@@ -1,6 +1,7 @@
 """The Decode gRPC service over one vLLM engine (`kv_consumer`)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -47,6 +48,20 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                        kv_transfer_params=params)
         start = time.perf_counter()
         n = 0
+        try:
+            async for chunk in self._chunks(rid, ids, sampling, params):
+                n += len(chunk.token_ids)
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            # The caller went away; vLLM aborts the request and frees its blocks
+            # as the cancellation passes through AsyncLLM.generate.
+            log.info("decode %s cancelled after %d tokens; aborted on the engine", rid, n)
+            raise
+        log.info("decode %s: prompt %d tokens (kv %s), %d generated, %.1f ms", rid, len(ids),
+                 "remote" if params else "local", n, (time.perf_counter() - start) * 1000)
+
+    async def _chunks(self, rid, ids, sampling, params):
+        """The engine's steps as wire chunks; KV provenance rides on the first."""
         first = True
         async for step in self.engine.generate(rid, ids, sampling):
             chunk = decode_pb2.DecodeChunk(token_ids=step.token_ids, text=step.text,
@@ -60,10 +75,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 chunk.finish_reason = _FINISH.get(step.finish_reason or "",
                                                   common_pb2.FINISH_REASON_STOP)
                 chunk.stop_reason = step.stop_reason or ""
-            n += len(step.token_ids)
             yield chunk
-        log.info("decode %s: prompt %d tokens (kv %s), %d generated, %.1f ms", rid, len(ids),
-                 "remote" if params else "local", n, (time.perf_counter() - start) * 1000)
 
 
 def add_to_server(servicer: DecodeService, server: grpc.aio.Server) -> None:

@@ -59,11 +59,18 @@ def test_client_disconnect_mid_stream_ends_the_request(stack):
         while got.count(b"data: ") < 3:
             got += s.recv(4096)
     assert b"200 OK" in got
+    rid = re.search(rb"x-request-id: (\S+)", got, re.I).group(1).decode()
     deadline = time.monotonic() + 20
     while _running(stack) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _running(stack) == 0
-    # 1500 tokens take far longer than this on 2 cores: the request was cut short.
+    # The decode worker saw the cancellation and aborted the engine request
+    # long before its 1500 tokens.
+    pattern = re.compile(rf"decode {rid} cancelled after (\d+) tokens")
+    while not (hits := [m for line in stack.proc.lines if (m := pattern.search(line))]):
+        assert time.monotonic() < deadline, "decode worker never logged the cancellation"
+        time.sleep(0.2)
+    assert 3 <= int(hits[0].group(1)) < 1500
     assert time.monotonic() - started < 20
     _, body, _ = _get(stack, "/metrics")
     assert re.search(r'pdserve_requests_total\{[^}]*status="499"\} 1\.0', body)
