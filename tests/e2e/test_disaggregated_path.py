@@ -122,3 +122,30 @@ def test_decode_uses_the_transferred_kv_not_its_own(stack, model_dir):
         swapped, first = _decode(decode, "swap-b-with-a", b, kv=handle.kv)
     assert first.num_external_tokens >= len(a) - 1
     assert swapped == local_a
+
+
+async def test_concurrent_streams_each_equal_the_single_engine(stack, reference):
+    """8 streams at once: decode batches them (and their KV pulls) continuously;
+    every stream must still be exactly its own single-request answer."""
+    import asyncio
+
+    import aiohttp
+
+    async def stream(session, case: Case) -> tuple[str, str]:
+        path = "chat/completions" if case.kind == "chat" else "completions"
+        text = []
+        async with session.post(f"{stack.url}/v1/{path}", json=case.body(stack.model, True)) as r:
+            assert r.status == 200
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text.append(choice["delta"].get("content") or "" if case.kind == "chat"
+                                else choice["text"])
+            return r.headers["x-pdserve-path"], "".join(text)
+
+    cases = CASES * 2
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        results = await asyncio.gather(*(stream(session, c) for c in cases))
+    assert [path for path, _ in results] == ["disaggregated"] * len(cases)
+    assert [text for _, text in results] == [reference[c.name]["text"] for c in cases]
