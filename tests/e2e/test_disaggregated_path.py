@@ -13,6 +13,11 @@ from cases import CASES, MAX_TOKENS, Case
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 
+def _piece(case: Case, choice: dict) -> str:
+    """The text one streamed choice adds (chat deltas and completion text differ)."""
+    return (choice["delta"].get("content") or "") if case.kind == "chat" else choice["text"]
+
+
 def _sse_stream(stack, case: Case) -> tuple[str, dict, dict]:
     """Stream one case over raw HTTP: (text, usage, headers)."""
     path = "chat/completions" if case.kind == "chat" else "completions"
@@ -30,8 +35,7 @@ def _sse_stream(stack, case: Case) -> tuple[str, dict, dict]:
         if data.get("usage"):
             usage = data["usage"]
         for choice in data["choices"]:
-            text.append(choice["delta"].get("content") or "" if case.kind == "chat"
-                        else choice["text"])
+            text.append(_piece(case, choice))
     return "".join(text), usage, headers
 
 
@@ -139,9 +143,7 @@ async def test_concurrent_streams_each_equal_the_single_engine(stack, reference)
             async for raw in r.content:
                 line = raw.decode().strip()
                 if line.startswith("data: {"):
-                    choice = json.loads(line[6:])["choices"][0]
-                    text.append(choice["delta"].get("content") or "" if case.kind == "chat"
-                                else choice["text"])
+                    text.append(_piece(case, json.loads(line[6:])["choices"][0]))
             return r.headers["x-pdserve-path"], "".join(text)
 
     cases = CASES * 2
