@@ -1,0 +1,70 @@
+"""Each worker's engine stays on the cores it was given: every thread of every process.
+
+vLLM's NIXL worker re-pins its model-runner thread on CPU (to the last core of
+each NUMA node), which on a 2-core box puts the prefill engine on the decode
+engine's core. This walks both worker trees after a disaggregated request (so
+NIXL's handshake and transfer threads exist) and checks each thread's affinity.
+"""
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+import psutil
+import pytest
+
+from cases import CASES
+
+
+def _parse_cpus(spec: str) -> set[int]:
+    cores: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def _workers(stack) -> dict[str, tuple[psutil.Process, set[int]]]:
+    """role -> (worker process, the cores its command line gave it)."""
+    out = {}
+    for pid in stack.proc.descendants():
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        for role in ("prefill", "decode"):
+            if "pdserve.cli" in cmd and role in cmd and "--cpus" in cmd:
+                out[role] = (psutil.Process(pid), _parse_cpus(cmd[cmd.index("--cpus") + 1]))
+    return out
+
+
+def _threads_outside(proc: psutil.Process, cores: set[int]) -> list[str]:
+    bad = []
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            for t in p.threads():
+                allowed = os.sched_getaffinity(t.id)
+                if not allowed <= cores:
+                    bad.append(f"pid {p.pid} ({p.name()}) thread {t.id}: {sorted(allowed)}")
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    return bad
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_every_engine_thread_stays_on_its_workers_cores(stack):
+    case = CASES[1]
+    req = urllib.request.Request(f"{stack.url}/v1/completions",
+                                 data=json.dumps(case.body(stack.model, False)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["x-pdserve-path"] == "disaggregated"
+    workers = _workers(stack)
+    assert set(workers) == {"prefill", "decode"}, workers
+    (_, pre_cores), (_, dec_cores) = workers["prefill"], workers["decode"]
+    assert pre_cores.isdisjoint(dec_cores), (pre_cores, dec_cores)
+    for role, (proc, cores) in workers.items():
+        engine_threads = sum(len(p.threads()) for p in proc.children(recursive=True))
+        assert engine_threads > 1, f"{role}: no engine process found under the worker"
+        assert _threads_outside(proc, cores) == [], f"{role} threads left cores {sorted(cores)}"
