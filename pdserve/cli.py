@@ -7,6 +7,7 @@ Subcommands:
   decode    run a decode worker
   edge      run the HTTP edge
   build-model  build the tiny offline test model
+  bench     load and side-by-side benchmarks (`pdserve bench compare --quick`)
 """
 from __future__ import annotations
 
@@ -105,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build-model", help="build the tiny offline model if absent")
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
+
+    bench = sub.add_parser("bench", add_help=False,
+                           help="serve: vLLM's serving benchmark; compare: P/D vs colocated")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -172,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"pdserve {a.command}: {e}", file=sys.stderr)  # names the field; no traceback
         sys.exit(2)
+    if a.command == "bench":
+        from pdserve.bench.cli import main as bench_main
+        sys.exit(bench_main(a.args))
     if a.command == "build-model":
         from pdserve.tiny_model import ensure_tiny_model
         print(ensure_tiny_model(Path(a.out), seed=a.seed))

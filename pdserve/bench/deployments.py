@@ -1,0 +1,139 @@
+"""The serving setups `pdserve bench compare` measures, each started and stopped here.
+
+All run on this machine with the same model and the same total cores:
+- `PdserveStack`: `pdserve up` (1 prefill + 1 decode worker, one core each on
+  a 2-core box) with a prefill policy given by `--local-prefill-below`.
+- `StockVllm`: stock vLLM OpenAI servers (`vllm.entrypoints.openai.api_server`),
+  one per entry of `core_sets`, each pinned to its cores.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.supervisor import healthy
+
+_READY_TIMEOUT_S = 400
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cores_spec(cores: list[int]) -> str:
+    return ",".join(map(str, cores))
+
+
+class _Children:
+    """Child processes, each in its own session, logging to temporary files."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(self, cmd: list[str], env: dict[str, str], cores: list[int] | None = None) -> None:
+        log = Path(tempfile.mkstemp(prefix=f"pdserve-bench-{self.label}-", suffix=".log")[1])
+        with open(log, "w") as out:
+            p = subprocess.Popen(
+                cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, set(cores))) if cores else None)
+        self.procs.append((p, log))
+
+    def wait_healthy(self, urls: list[str]) -> None:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        pending = list(urls)
+        while pending and time.monotonic() < deadline:
+            for p, log in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{self.label}: a process exited ({p.returncode}):\n"
+                                       + log.read_text()[-3000:])
+            pending = [u for u in pending if not healthy(u)]
+            time.sleep(0.5)
+        if pending:
+            raise RuntimeError(f"{self.label}: {pending} not healthy in {_READY_TIMEOUT_S}s")
+
+    def stop(self) -> None:
+        for p, _ in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p, log in self.procs:
+            try:
+                p.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # engine processes left in its session
+            except ProcessLookupError:
+                pass
+            p.wait()
+            log.unlink(missing_ok=True)
+        self.procs.clear()
+
+
+class PdserveStack:
+    """`pdserve up` on free loopback ports."""
+
+    def __init__(self, label: str, model: str, local_prefill_below: int):
+        self.label = label
+        self.model = model
+        self.local_prefill_below = local_prefill_below
+        self.children = _Children(label)
+        self.urls: list[str] = []
+        self.ports: dict[str, int] = {}
+
+    def start(self) -> list[str]:
+        self.ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
+        kv = free_port()
+        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up",
+               "--model", self.model, "--port", str(self.ports["edge"]),
+               "--grpc-port", str(self.ports["grpc"]), "--router-port", str(self.ports["router"]),
+               "--prefill-port", str(self.ports["prefill"]),
+               "--decode-port", str(self.ports["decode"]), "--kv-port", str(kv),
+               "--local-prefill-below", str(self.local_prefill_below)]
+        self.children.start(cmd, {})
+        self.urls = [f"http://127.0.0.1:{self.ports['edge']}"]
+        self.children.wait_healthy([u + "/health" for u in self.urls])
+        return self.urls
+
+    def stop(self) -> None:
+        self.children.stop()
+
+
+class StockVllm:
+    """Stock vLLM OpenAI servers, one per core set, with the engine settings pdserve's
+    workers use (fp32, eager, 2,048-token context, 1 GiB of KV per engine) and
+    vLLM's own defaults otherwise (prefix caching on)."""
+
+    def __init__(self, label: str, model: str, core_sets: list[list[int]]):
+        self.label = label
+        self.model = model
+        self.core_sets = core_sets
+        self.children = _Children(label)
+        self.urls: list[str] = []
+
+    def start(self) -> list[str]:
+        for cores in self.core_sets:
+            port = free_port()
+            self.children.start(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                 "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+                 "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"],
+                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": _cores_spec(cores),
+                 "VLLM_LOGGING_LEVEL": "WARNING"},
+                cores=cores)
+            self.urls.append(f"http://127.0.0.1:{port}")
+        self.children.wait_healthy([u + "/health" for u in self.urls])
+        return self.urls
+
+    def stop(self) -> None:
+        self.children.stop()

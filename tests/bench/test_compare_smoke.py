@@ -1,0 +1,32 @@
+"""`pdserve bench compare` end to end on real deployments, with a handful of requests:
+pdserve stacks and a stock vLLM server start, serve, stop; the JSON keeps its contract."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from support import ROOT
+
+
+@pytest.mark.engine
+def test_compare_smoke_prints_the_contract_json_and_writes_plots(model_dir, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--smoke", "--json",
+         "--model", str(model_dir), "--out", str(tmp_path),
+         "--only", "disaggregated", "--only", "conditional", "--only", "colocated_2x1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert set(result["modes"]) == {"disaggregated", "colocated", "conditional"}
+    for name, mode in result["modes"].items():
+        assert mode["completed"] == 4 and mode["failed"] == 0, (name, mode)
+        assert mode["itl_p99_ms"] > 0 and mode["ttft_p99_ms"] > 0
+        assert set(mode["goodput"]) == {"itl_strict", "ttft_strict", "balanced"}
+    assert result["modes"]["colocated"]["variant"] == "colocated_2x1"
+    assert result["tpot_check"]["ratio"] > 0
+    assert {p.name for p in tmp_path.iterdir()} >= {
+        "compare.json", "samples.json", "latency_cdf.png", "goodput_long_prompts.png"}
+    assert json.loads((tmp_path / "compare.json").read_text())["modes"] == result["modes"]
