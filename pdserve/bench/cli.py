@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -46,29 +47,54 @@ def _compare_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", default=[],
                    choices=["disaggregated", "conditional", "colocated_1x2", "colocated_2x1"],
                    help="run only this deployment (repeatable)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--gpus", default="0,1",
+                   help="cuda: GPU ids shared out like cores (half prefill, half decode)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--rates", default="",
+                   help="comma-separated request rates for every workload (default: the plan's)")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per run for every workload (default: the plan's)")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _plan(a: argparse.Namespace):
+    from .compare import FULL, QUICK, SMOKE, Plan
+
+    plan = SMOKE if a.smoke else QUICK if a.quick else FULL
+    if not a.rates and not a.requests:
+        return plan
+    rates = [float(r) for r in a.rates.split(",")] if a.rates else None
+    runs = {wl: (rates or r, a.requests or n) for wl, (r, n) in plan.runs.items()}
+    long_rates = runs["long_prompts"][0]
+    return Plan(runs, headline_rate=long_rates[len(long_rates) // 2],
+                tpot_check=(plan.tpot_check[0], a.requests or plan.tpot_check[1]))
 
 
 def _compare(argv: list[str]) -> int:
     from pdserve.cli import DEFAULT_MODEL_DIR
     from pdserve.tiny_model import ensure_tiny_model
 
-    from .compare import FULL, QUICK, SMOKE, compare, write
+    from .compare import compare, write
+    from .deployments import Hardware
 
     a = _compare_parser().parse_args(argv)
     try:
         mixes = dict(DEFAULT_MIXES) | dict(parse_slo(s) for s in a.slo)
+        plan = _plan(a)
+        units = (tuple(int(g) for g in a.gpus.split(",")) if a.device == "cuda"
+                 else tuple(sorted(os.sched_getaffinity(0))))
+        hw = Hardware(device=a.device, units=units, max_model_len=a.max_model_len)
     except ValueError as e:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2
     model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
     command = "pdserve bench compare " + shlex.join(argv)
-    plan = SMOKE if a.smoke else QUICK if a.quick else FULL
     # Only the result goes to stdout; whatever the libraries print goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
         result, raw = compare(model, plan, mixes, a.conditional_below,
-                              a.seed, a.only or None, command)
+                              a.seed, a.only or None, command, hw)
     if a.out:
         for path in write(result, raw, Path(a.out)):
             print(f"wrote {path}", file=sys.stderr)

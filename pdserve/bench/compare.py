@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .deployments import PdserveStack, StockVllm
+from .deployments import Hardware, PdserveStack, StockVllm
 from .load import metrics, run, warm_up
 from .slo import DEFAULT_MIXES, SLO, goodput
 from .workloads import BUILDERS
@@ -72,15 +72,12 @@ def _summary(result, tokenizer, mixes: dict[str, SLO]) -> dict:
     }
 
 
-def _deployments(model: str, conditional_below: int) -> list:
-    cores = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cores) // 2)
-    halves = [cores[:half], cores[half:] or cores[:half]]
-    return [("disaggregated", PdserveStack("disaggregated", model, local_prefill_below=0)),
-            ("conditional", PdserveStack("conditional", model,
-                                         local_prefill_below=conditional_below)),
-            ("colocated_1x2", StockVllm("colocated_1x2", model, [cores])),
-            ("colocated_2x1", StockVllm("colocated_2x1", model, halves))]
+def _deployments(model: str, conditional_below: int, hw: Hardware) -> list:
+    lower, upper = hw.halves()
+    return [("disaggregated", PdserveStack("disaggregated", model, 0, hw)),
+            ("conditional", PdserveStack("conditional", model, conditional_below, hw)),
+            ("colocated_1x2", StockVllm("colocated_1x2", model, [list(hw.units)], hw)),
+            ("colocated_2x1", StockVllm("colocated_2x1", model, [lower, upper], hw))]
 
 
 async def _measure(label: str, urls: list[str], model: str, plan: Plan, tokenizer,
@@ -88,17 +85,20 @@ async def _measure(label: str, urls: list[str], model: str, plan: Plan, tokenize
     await warm_up(urls, model)
     out = []
     for name, (rates, n) in plan.runs.items():
-        workload = BUILDERS[name](tokenizer, n, seed)
-        for rate in rates:
+        for i, rate in enumerate(rates):
+            # NOTE: new prompts at every rate: a stock engine caches prefixes, and
+            # the previous rate's prompts would otherwise come back as cache hits.
+            workload = BUILDERS[name](tokenizer, n, seed + 1000 * i)
             _log(f"{label}: {name} at {rate}/s, {n} requests")
             result = await run(workload, urls, model, rate, seed)
             out.append({"deployment": label, "workload": name, "rate": rate,
                         **_summary(result, tokenizer, mixes)})
-    # Per-token latency on the issue's workload: pdserve through its edge, and
-    # one stock engine on one core (the first server of the 2x1 setup).
+    # Per-token latency on 1,024-token prompts: pdserve through its edge, and one
+    # stock engine on half the units (the first server of the 2x1 setup).
     if label in ("disaggregated", "colocated_2x1"):
         rate, n = plan.tpot_check
-        result = await run(BUILDERS["random_1024"](tokenizer, n, seed), urls[:1], model, rate, seed)
+        result = await run(BUILDERS["random_1024"](tokenizer, n, seed + 99), urls[:1], model, rate,
+                           seed)
         out.append({"deployment": label, "workload": "random_1024", "rate": rate,
                     **_summary(result, tokenizer, mixes)})
     return out
@@ -125,7 +125,8 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def report(runs: list[dict], plan: Plan, mixes: dict[str, SLO], command: str) -> dict:
+def report(runs: list[dict], plan: Plan, mixes: dict[str, SLO], command: str,
+           hw: Hardware) -> dict:
     """The JSON object `compare` prints: headline modes, ratios, targets, every run."""
     runs = runs + _pick_colocated(runs)
     head = {r["deployment"]: r for r in runs
@@ -157,7 +158,7 @@ def report(runs: list[dict], plan: Plan, mixes: dict[str, SLO], command: str) ->
                       "ratio": _ratio(tpot["disaggregated"], tpot["colocated_2x1"])}
         targets["tpot_pdserve_le_1.1x_stock_one_core"] = (tpot_check["ratio"] or 9) <= 1.1
     return {"command": command, "workload": "long_prompts", "rate": plan.headline_rate,
-            "cores": len(os.sched_getaffinity(0)),
+            "cores": len(os.sched_getaffinity(0)), "device": hw.device, "units": list(hw.units),
             "slo_mixes": {k: {"ttft_ms": v.ttft_ms, "itl_ms": v.itl_ms} for k, v in mixes.items()},
             "modes": modes, "ratios": ratios, "targets": targets, "tpot_check": tpot_check,
             "runs": [{k: v for k, v in r.items() if k != "samples"} for r in runs]}
@@ -170,12 +171,12 @@ def samples(runs: list[dict], plan: Plan) -> dict:
 
 
 def compare(model: str, plan: Plan, mixes: dict[str, SLO], conditional_below: int,
-            seed: int, only: list[str] | None, command: str) -> tuple[dict, dict]:
+            seed: int, only: list[str] | None, command: str, hw: Hardware) -> tuple[dict, dict]:
     """Start each deployment in turn, measure it, stop it; return (report, samples)."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
     runs: list[dict] = []
-    for label, dep in _deployments(model, conditional_below):
+    for label, dep in _deployments(model, conditional_below, hw):
         if only and label not in only:
             continue
         _log(f"{label}: starting")
@@ -186,7 +187,7 @@ def compare(model: str, plan: Plan, mixes: dict[str, SLO], conditional_below: in
             dep.stop()
             _log(f"{label}: stopped")
     all_runs = runs + _pick_colocated(runs)
-    return report(runs, plan, mixes, command), samples(all_runs, plan)
+    return report(runs, plan, mixes, command, hw), samples(all_runs, plan)
 
 
 def write(result: dict, raw: dict, out_dir: Path) -> list[Path]:

@@ -1,10 +1,12 @@
 """The serving setups `pdserve bench compare` measures, each started and stopped here.
 
-All run on this machine with the same model and the same total cores:
-- `PdserveStack`: `pdserve up` (1 prefill + 1 decode worker, one core each on
-  a 2-core box) with a prefill policy given by `--local-prefill-below`.
+All run on this machine with the same model and the same compute units (CPU
+cores, or GPUs with `--device cuda`):
+- `PdserveStack`: `pdserve up` (1 prefill + 1 decode worker, each on half the
+  units) with a prefill policy given by `--local-prefill-below`.
 - `StockVllm`: stock vLLM OpenAI servers (`vllm.entrypoints.openai.api_server`),
-  one per entry of `core_sets`, each pinned to its cores.
+  one per entry of `unit_sets`, each pinned to its cores or given its GPUs
+  (tensor parallel across them).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.supervisor import healthy
@@ -29,8 +32,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cores_spec(cores: list[int]) -> str:
-    return ",".join(map(str, cores))
+def _spec(units: list[int]) -> str:
+    return ",".join(map(str, units))
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """What every deployment of one comparison runs on."""
+
+    device: str = "cpu"           # "cpu" | "cuda"
+    units: tuple[int, ...] = ()   # core ids (cpu) or GPU ids (cuda)
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not self.units:
+            raise ValueError("units must name at least one core or GPU")
+
+    def halves(self) -> tuple[list[int], list[int]]:
+        """Lower and upper half of the units (one unit: both get it)."""
+        units = list(self.units)
+        half = max(1, len(units) // 2)
+        return units[:half], units[half:] or units[:half]
 
 
 class _Children:
@@ -83,10 +107,11 @@ class _Children:
 class PdserveStack:
     """`pdserve up` on free loopback ports."""
 
-    def __init__(self, label: str, model: str, local_prefill_below: int):
+    def __init__(self, label: str, model: str, local_prefill_below: int, hw: Hardware):
         self.label = label
         self.model = model
         self.local_prefill_below = local_prefill_below
+        self.hw = hw
         self.children = _Children(label)
         self.urls: list[str] = []
         self.ports: dict[str, int] = {}
@@ -99,7 +124,13 @@ class PdserveStack:
                "--grpc-port", str(self.ports["grpc"]), "--router-port", str(self.ports["router"]),
                "--prefill-port", str(self.ports["prefill"]),
                "--decode-port", str(self.ports["decode"]), "--kv-port", str(kv),
-               "--local-prefill-below", str(self.local_prefill_below)]
+               "--local-prefill-below", str(self.local_prefill_below),
+               "--max-model-len", str(self.hw.max_model_len)]
+        pre, dec = self.hw.halves()
+        if self.hw.device == "cuda":
+            cmd += ["--device", "cuda", "--prefill-gpus", _spec(pre), "--decode-gpus", _spec(dec)]
+        else:
+            cmd += ["--prefill-cpus", _spec(pre), "--decode-cpus", _spec(dec)]
         self.children.start(cmd, {})
         self.urls = [f"http://127.0.0.1:{self.ports['edge']}"]
         self.children.wait_healthy([u + "/health" for u in self.urls])
@@ -110,27 +141,33 @@ class PdserveStack:
 
 
 class StockVllm:
-    """Stock vLLM OpenAI servers, one per core set, with the engine settings pdserve's
-    workers use (fp32, eager, 2,048-token context, 1 GiB of KV per engine) and
-    vLLM's own defaults otherwise (prefix caching on)."""
+    """Stock vLLM OpenAI servers, one per unit set, with the engine settings pdserve's
+    workers use (CPU: fp32, eager, 1 GiB of KV per engine; GPU: bf16, tensor
+    parallel over the set) and vLLM's own defaults otherwise (prefix caching on)."""
 
-    def __init__(self, label: str, model: str, core_sets: list[list[int]]):
+    def __init__(self, label: str, model: str, unit_sets: list[list[int]], hw: Hardware):
         self.label = label
         self.model = model
-        self.core_sets = core_sets
+        self.unit_sets = unit_sets
+        self.hw = hw
         self.children = _Children(label)
         self.urls: list[str] = []
 
     def start(self) -> list[str]:
-        for cores in self.core_sets:
+        for units in self.unit_sets:
             port = free_port()
-            self.children.start(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                 "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-                 "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"],
-                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": _cores_spec(cores),
-                 "VLLM_LOGGING_LEVEL": "WARNING"},
-                cores=cores)
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", self.model, "--max-model-len", str(self.hw.max_model_len),
+                   "--host", "127.0.0.1", "--port", str(port), "--disable-log-stats"]
+            env = {"VLLM_LOGGING_LEVEL": "WARNING"}
+            if self.hw.device == "cuda":
+                cmd += ["--dtype", "bfloat16", "--tensor-parallel-size", str(len(units))]
+                env["CUDA_VISIBLE_DEVICES"] = _spec(units)
+                self.children.start(cmd, env)
+            else:
+                cmd += ["--dtype", "float32", "--enforce-eager"]
+                env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": _spec(units)}
+                self.children.start(cmd, env, cores=units)
             self.urls.append(f"http://127.0.0.1:{port}")
         self.children.wait_healthy([u + "/health" for u in self.urls])
         return self.urls

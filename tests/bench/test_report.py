@@ -5,6 +5,7 @@ import pytest
 
 from pdserve.bench.cli import format_table
 from pdserve.bench.compare import QUICK, report
+from pdserve.bench.deployments import Hardware
 from pdserve.bench.slo import DEFAULT_MIXES, SLO, parse_slo
 
 
@@ -19,6 +20,8 @@ def _gp(itl, ttft, bal):
     return {"itl_strict": itl, "ttft_strict": ttft, "balanced": bal}
 
 
+HW = Hardware("cpu", (0, 1))
+
 RUNS = [
     _run("disaggregated", 10.0, 300.0, _gp(1.8, 0.5, 1.6)),
     _run("conditional", 12.0, 250.0, _gp(1.8, 0.9, 1.7)),
@@ -30,7 +33,7 @@ RUNS = [
 
 
 def test_baseline_is_the_colocated_variant_with_more_balanced_goodput():
-    r = report(RUNS, QUICK, DEFAULT_MIXES, "cmd")
+    r = report(RUNS, QUICK, DEFAULT_MIXES, "cmd", HW)
     assert set(r["modes"]) == {"disaggregated", "colocated", "conditional"}
     assert r["modes"]["colocated"]["variant"] == "colocated_1x2"
     assert r["modes"]["colocated"]["itl_p99_ms"] == 80.0
@@ -40,7 +43,7 @@ def test_baseline_is_the_colocated_variant_with_more_balanced_goodput():
 
 
 def test_ratios_and_targets():
-    r = report(RUNS, QUICK, DEFAULT_MIXES, "cmd")
+    r = report(RUNS, QUICK, DEFAULT_MIXES, "cmd", HW)
     assert r["ratios"]["itl_p99_disaggregated_over_colocated"] == 0.125
     assert r["ratios"]["goodput_itl_strict_disaggregated_over_colocated"] == 4.5
     assert r["targets"]["itl_p99_a_le_half_b"] is True
@@ -55,7 +58,7 @@ def test_ratios_and_targets():
 
 
 def test_table_prints_every_mode_and_marks_missed_targets():
-    text = format_table(report(RUNS, QUICK, DEFAULT_MIXES, "cmd"))
+    text = format_table(report(RUNS, QUICK, DEFAULT_MIXES, "cmd", HW))
     for word in ("disaggregated", "colocated", "conditional", "colocated_1x2", "MISSED", "met"):
         assert word in text
 
@@ -65,3 +68,11 @@ def test_slo_flag_parses_and_rejects_bad_specs():
     for bad in ("balanced=ttft:500", "nope=ttft:1,itl:1", "balanced", "itl_strict=ttft:0,itl:5"):
         with pytest.raises(ValueError):
             parse_slo(bad)
+
+
+def test_hardware_splits_units_and_rejects_nonsense():
+    assert Hardware("cuda", (0, 1, 2, 3)).halves() == ([0, 1], [2, 3])
+    assert Hardware("cpu", (0,)).halves() == ([0], [0])
+    for bad in (lambda: Hardware("tpu", (0,)), lambda: Hardware("cpu", ())):
+        with pytest.raises(ValueError):
+            bad()
