@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="prompts shorter than this many tokens prefill on the decode worker")
     up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
     up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
+    up.add_argument("--worker-metrics-port", type=int, default=0,
+                    help="serve the prefill engine's vllm:* metrics here, decode's on +1 (0: off)")
     up.add_argument("--prefill-gpus", default="0", help="CUDA_VISIBLE_DEVICES of prefill (cuda)")
     up.add_argument("--decode-gpus", default="1", help="CUDA_VISIBLE_DEVICES of decode (cuda)")
     _add_engine_flags(up)
@@ -90,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--kv-port", type=int, default=5600, help="NIXL side-channel port")
         w.add_argument("--kv-lease-seconds", type=int, default=30)
         w.add_argument("--cpus", default="", help="cores for the engine's threads (cpu)")
+        w.add_argument("--metrics-port", type=int, default=0,
+                       help="serve the engine's vllm:* Prometheus metrics on this port (0: off)")
         _add_engine_flags(w)
 
     e = sub.add_parser("edge", help="run the HTTP edge")
@@ -156,7 +160,7 @@ def _config(a: argparse.Namespace):
                                                 lease_seconds=a.kv_lease_seconds,
                                                 buffer_device=a.device),
                             host=a.host, port=a.port, advertise_host=a.advertise_host,
-                            router=a.router, worker_id=a.worker_id)
+                            router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port)
     if a.command == "edge":
         return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,

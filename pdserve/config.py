@@ -85,11 +85,13 @@ class WorkerConfig:
     router: str = "127.0.0.1:50051"
     worker_id: str = ""
     heartbeat_seconds: float = 2.0
+    metrics_port: int = 0                # the engine's vllm:* series over HTTP; 0 = off
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         _check_port("port", self.port)
+        _check_port("metrics_port", self.metrics_port)
         _check_positive("heartbeat_seconds", self.heartbeat_seconds)
 
 

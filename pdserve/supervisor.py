@@ -45,13 +45,15 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     router = f"127.0.0.1:{a.router_port}"
     pre_cpus, dec_cpus = _split_cores()
     workers = []
-    for role, port, kv_port, cpus, gpus in (
-            ("prefill", a.prefill_port, a.kv_port, a.prefill_cpus or pre_cpus, a.prefill_gpus),
-            ("decode", a.decode_port, a.kv_port + 1, a.decode_cpus or dec_cpus, a.decode_gpus)):
+    for i, (role, port, cpus, gpus) in enumerate((
+            ("prefill", a.prefill_port, a.prefill_cpus or pre_cpus, a.prefill_gpus),
+            ("decode", a.decode_port, a.decode_cpus or dec_cpus, a.decode_gpus))):
         env = {"CUDA_VISIBLE_DEVICES": gpus} if eng.device == "cuda" else {}
+        metrics = ["--metrics-port", str(a.worker_metrics_port + i)] if a.worker_metrics_port else []
         workers.append((role, me + [role, "--port", str(port), "--router", router,
-                                    "--kv-port", str(kv_port), "--cpus", cpus,
-                                    "--worker-id", f"{role}-0"] + _engine_flags(a, eng), env))
+                                    "--kv-port", str(a.kv_port + i), "--cpus", cpus,
+                                    "--worker-id", f"{role}-0"] + metrics
+                        + _engine_flags(a, eng), env))
     return [("router", me + ["router", "--port", str(a.router_port),
                              "--local-prefill-below", str(a.local_prefill_below)], {}),
             *workers,

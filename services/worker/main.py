@@ -4,12 +4,18 @@ from __future__ import annotations
 import logging
 import socket
 
+import prometheus_client
+from grpc_reflection.v1alpha import reflection
+
 from pdserve.config import WorkerConfig
 from pdserve.lifecycle import until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
 
 from .engine import VllmEngine
+from .engine_protocol import SERVICE_NAME as ENGINE_SERVICE
+from .engine_protocol import WorkerEngineServicer
+from .engine_protocol import add_to_server as add_engine_protocol
 from .registration import RouterRegistration
 
 log = logging.getLogger(__name__)
@@ -18,14 +24,29 @@ _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER
 
 
 async def serve_worker(cfg: WorkerConfig, make_servicer, add_to_server, service_name: str) -> None:
-    """Build the engine, serve `service_name` on gRPC, stay registered until signalled."""
+    """Build the engine; serve `service_name` and vLLM's `VllmEngine` on one gRPC port;
+    stay registered until signalled."""
     engine = VllmEngine(cfg.engine, cfg.role, cfg.kv)
     servicer = make_servicer(engine, cfg.worker_id)
-    server = Server(cfg.host, cfg.port, lambda s: add_to_server(servicer, s), [service_name])
+    vllm_servicer = WorkerEngineServicer(engine, cfg.worker_id)
+
+    def add_servicers(server) -> None:
+        add_to_server(servicer, server)
+        add_engine_protocol(vllm_servicer, server)
+        # grpcurl and gateways discover the services by reflection, as on `vllm serve --grpc`.
+        reflection.enable_server_reflection(
+            [service_name, ENGINE_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME],
+            server)
+
+    server = Server(cfg.host, cfg.port, add_servicers, [service_name, ENGINE_SERVICE])
     # Default id from the bound port, so that port 0 still gives a stable, unique name.
-    worker_id = servicer.worker_id = (cfg.worker_id
-                                      or f"{cfg.role}-{socket.gethostname()}-{server.port}")
+    worker_id = servicer.worker_id = vllm_servicer.worker_id = (
+        cfg.worker_id or f"{cfg.role}-{socket.gethostname()}-{server.port}")
     await server.start()
+    if cfg.metrics_port:
+        # vLLM's stat logger records the engine's vllm:* series into this process's
+        # default registry; serve them unchanged, as `vllm serve` does on /metrics.
+        prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host)
     address = f"{cfg.advertise_host or cfg.host}:{server.port}"
     info = router_pb2.WorkerInfo(worker_id=worker_id, role=_ROLES[cfg.role], address=address,
                                  model=cfg.engine.name, serving=True)

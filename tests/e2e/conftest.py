@@ -63,6 +63,17 @@ def reference(model_dir) -> dict[str, dict]:
             path = "chat/completions" if case.kind == "chat" else "completions"
             resp = _post(f"http://127.0.0.1:{port}/v1/{path}", case.body(str(model_dir), False))
             out[case.name] = {"text": _output(case.kind, resp), "usage": resp["usage"]}
+        # Gateways that tokenize completions without the tokenizer's special tokens
+        # (SMG) send these ids: the reference answers them too, as token-id prompts.
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        for case in CASES:
+            if case.kind == "completion":
+                ids = tok.encode(case.payload["prompt"], add_special_tokens=False)
+                resp = _post(f"http://127.0.0.1:{port}/v1/completions",
+                             case.body(str(model_dir), False) | {"prompt": ids})
+                out[f"{case.name}/no-special-tokens"] = {"text": _output(case.kind, resp),
+                                                         "usage": resp["usage"]}
         return out
     finally:
         proc.stop(timeout=60)
@@ -104,21 +115,25 @@ class Stack:
     router: str
     prefill: str
     decode: str
+    decode_metrics: str                 # the decode engine's own vllm:* series
 
 
 @pytest.fixture(scope="session")
 def stack(model_dir, reference) -> Stack:
     """`pdserve up` on free loopback ports; stopped (and checked) at session end."""
     ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
+    metrics = _free_port_pair()
     proc = Proc(pdserve_cmd("up", "--port", str(ports["edge"]), "--grpc-port", str(ports["grpc"]),
                             "--router-port",
                             str(ports["router"]), "--prefill-port", str(ports["prefill"]),
                             "--decode-port", str(ports["decode"]),
-                            "--kv-port", str(_free_port_pair()), "--model", str(model_dir)),
+                            "--kv-port", str(_free_port_pair()), "--model", str(model_dir),
+                            "--worker-metrics-port", str(metrics)),
                 name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",
-                  prefill=f"127.0.0.1:{ports['prefill']}", decode=f"127.0.0.1:{ports['decode']}")
+                  prefill=f"127.0.0.1:{ports['prefill']}", decode=f"127.0.0.1:{ports['decode']}",
+                  decode_metrics=f"http://127.0.0.1:{metrics + 1}/metrics")
     try:
         proc.wait_for("pdserve ready", timeout=400)
         tree = proc.descendants()

@@ -18,6 +18,8 @@ from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterCon
     (lambda: KVTransferConfig(side_channel_port=70000), "side_channel_port"),
     (lambda: KVTransferConfig(connector="carrier-pigeon"), "connector"),
     (lambda: WorkerConfig(role="cook", engine=EngineConfig(model="m")), "role"),
+    (lambda: WorkerConfig(role="decode", engine=EngineConfig(model="m"), metrics_port=70000),
+     "metrics_port"),
     (lambda: RouterConfig(local_prefill_below_tokens=-1), "local_prefill_below_tokens"),
     (lambda: EdgeConfig(model="m", port=-1), "port"),
     (lambda: EdgeConfig(model="m", min_decode_workers=0), "min_decode_workers"),

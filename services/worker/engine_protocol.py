@@ -1,0 +1,78 @@
+"""vLLM's own engine protocol on a pdserve worker: `vllm.grpc.engine.VllmEngine`.
+
+The servicer is vLLM's (from `smg-grpc-servicer`, the one `vllm serve --grpc`
+runs): Generate (token ids in, streamed tokens out, `kv_transfer_params_json`
+for prefill/decode), Abort, GetLoads, SubscribeKvEvents, GetServerInfo,
+GetTokenizer, HealthCheck. Any gateway that speaks it (SMG, pdserve's own edge)
+can drive a pdserve worker, and a pdserve worker keeps what a bare
+`vllm ... --grpc` lacks: its cores, its connector, drain and these checks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
+
+from .engine import VllmEngine
+from .validation import prompt_problem, sampling_problem
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+
+
+class WorkerEngineServicer(VllmEngineServicer):
+    """vLLM's VllmEngine servicer over a worker's engine, checking each request first."""
+
+    def __init__(self, engine: VllmEngine, worker_id: str):
+        super().__init__(engine.llm, time.time())
+        self.worker_id = worker_id
+        self.max_model_len = engine.cfg.max_model_len
+        self.vocab_size = engine.llm.model_config.get_vocab_size()
+
+    async def Generate(self, request, context):
+        s = request.sampling_params
+        problem = sampling_problem(s.max_tokens if s.HasField("max_tokens") else None,
+                                   s.temperature if s.HasField("temperature") else None,
+                                   s.top_p)
+        if request.WhichOneof("input") == "tokenized":
+            problem = problem or prompt_problem(request.tokenized.input_ids, self.max_model_len,
+                                                self.vocab_size)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        started = time.perf_counter()
+        n, prompt_tokens, cached = 0, 0, 0
+        try:
+            async for resp in super().Generate(request, context):
+                if resp.HasField("chunk"):
+                    n += len(resp.chunk.token_ids)
+                else:
+                    n = n or len(resp.complete.output_ids)
+                    prompt_tokens, cached = resp.complete.prompt_tokens, resp.complete.cached_tokens
+                yield resp
+        finally:
+            log.info("generate %s on %s: %d prompt tokens (%d cached), %d generated, %.1f ms%s",
+                     request.request_id, self.worker_id, prompt_tokens, cached, n,
+                     (time.perf_counter() - started) * 1000, _kv_note(request))
+
+
+def _kv_note(request) -> str:
+    """Which side of a P/D handoff a request is, for the log."""
+    if not request.HasField("kv_transfer_params_json"):
+        return ""
+    try:
+        params = json.loads(request.kv_transfer_params_json)
+    except ValueError:
+        return " (unreadable kv_transfer_params_json)"
+    if params.get("do_remote_prefill"):
+        return " (KV pulled from a prefill worker)"
+    return " (KV kept for a decode worker)" if params.get("do_remote_decode") else ""
+
+
+def add_to_server(servicer: WorkerEngineServicer, server: grpc.aio.Server) -> None:
+    """Register VllmEngine on a gRPC server."""
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
