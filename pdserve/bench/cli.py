@@ -2,6 +2,7 @@
 
     pdserve bench serve [vllm bench serve flags]   one endpoint, vLLM's own benchmark
     pdserve bench compare [--quick] [--json]        P/D vs colocated, side by side
+    pdserve bench gateways [--json]                 pdserve's edge vs SMG on the same workers
 """
 from __future__ import annotations
 
@@ -125,10 +126,50 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _gateways(argv: list[str]) -> int:
+    from pdserve.cli import DEFAULT_MODEL_DIR
+    from pdserve.tiny_model import ensure_tiny_model
+
+    from .deployments import Hardware
+    from .gateways import compare_gateways
+
+    p = argparse.ArgumentParser(prog="pdserve bench gateways",
+                                description="pdserve's edge and SMG in front of the same "
+                                            "prefill and decode workers, side by side.")
+    p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
+    p.add_argument("--requests", type=int, default=30, help="requests per rep and gateway")
+    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--reps", type=int, default=2, help="alternating repetitions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.requests < 1 or a.reps < 1 or a.rate <= 0:
+        print("pdserve bench gateways: --requests, --reps and --rate must be > 0", file=sys.stderr)
+        return 2
+    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
+    with contextlib.redirect_stdout(sys.stderr):
+        result = compare_gateways(model, a.requests, a.rate, a.reps, a.seed, hw)
+    if a.json:
+        print(json.dumps(result))
+        return 0
+    keys = ["ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
+            "gateway_cpu_ms_per_request", "completed", "failed"]
+    print(result["workload"])
+    print(f"{'gateway':<10}" + "".join(f"{k:>28}" for k in keys))
+    for name, r in result["gateways"].items():
+        print(f"{name:<10}" + "".join(f"{r[k]:>28}" for k in keys))
+    for k, v in {**result["ratios"], **result["targets"]}.items():
+        print(f"  {k} = {v}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Dispatch `pdserve bench <what> ...`."""
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
+    if argv[:1] == ["gateways"]:
+        return _gateways(argv[1:])
     if argv[:1] == ["compare"]:
         return _compare(argv[1:])
     print(__doc__.strip(), file=sys.stderr)

@@ -136,6 +136,13 @@ class PdserveStack:
         self.children.wait_healthy([u + "/health" for u in self.urls])
         return self.urls
 
+    def gateway_pids(self) -> list[int]:
+        """The edge and router processes (what sits between clients and workers)."""
+        import psutil
+        up = psutil.Process(self.children.procs[0][0].pid)
+        return [c.pid for c in up.children()
+                if {"edge", "router"} & set(c.cmdline())]
+
     def stop(self) -> None:
         self.children.stop()
 
@@ -171,6 +178,40 @@ class StockVllm:
             self.urls.append(f"http://127.0.0.1:{port}")
         self.children.wait_healthy([u + "/health" for u in self.urls])
         return self.urls
+
+    def stop(self) -> None:
+        self.children.stop()
+
+
+class SmgGateway:
+    """The Shepherd Model Gateway (`smg launch --pd-disaggregation`) in front of
+    already-running prefill and decode workers, over vLLM's engine protocol."""
+
+    def __init__(self, label: str, model: str, prefill: str, decode: str):
+        self.label = label
+        self.model = model
+        self.prefill = prefill
+        self.decode = decode
+        self.children = _Children(label)
+        self.urls: list[str] = []
+
+    def start(self) -> list[str]:
+        exe = Path(sys.executable).with_name("smg")
+        port = free_port()
+        self.children.start(
+            [str(exe) if exe.exists() else "smg", "launch", "--pd-disaggregation",
+             "--prefill", f"grpc://{self.prefill}", "--decode", f"grpc://{self.decode}",
+             "--host", "127.0.0.1", "--port", str(port), "--model-path", self.model,
+             # its metrics server binds 0.0.0.0:29000 unless told otherwise
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--log-level", "warn"], {})
+        self.urls = [f"http://127.0.0.1:{port}"]
+        self.children.wait_healthy([u + "/v1/models" for u in self.urls])
+        return self.urls
+
+    def pids(self) -> list[int]:
+        """The gateway's processes."""
+        return [p.pid for p, _ in self.children.procs]
 
     def stop(self) -> None:
         self.children.stop()

@@ -20,6 +20,7 @@ from vllm.benchmarks.datasets import SampleRequest
 from vllm.benchmarks.lib.endpoint_request_func import (
     RequestFuncInput,
     RequestFuncOutput,
+    async_request_openai_chat_completions,
     async_request_openai_completions,
 )
 from vllm.benchmarks.serve import calculate_metrics, get_request
@@ -37,10 +38,14 @@ class RunResult:
 
 
 class Client:
-    """Streams completions to `base_urls` in turn, as model `model`."""
+    """Streams completions (or chat completions, one user turn) to `base_urls` in turn."""
 
-    def __init__(self, base_urls: list[str], model: str, session: aiohttp.ClientSession):
-        self.urls = [u.rstrip("/") + "/v1/completions" for u in base_urls]
+    def __init__(self, base_urls: list[str], model: str, session: aiohttp.ClientSession,
+                 chat: bool = False):
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        self.urls = [u.rstrip("/") + path for u in base_urls]
+        self.request = (async_request_openai_chat_completions if chat
+                        else async_request_openai_completions)
         self.model = model
         self.session = session
         self.sent = 0
@@ -53,7 +58,7 @@ class Client:
         req = RequestFuncInput(prompt=prompt, api_url=url, prompt_len=prompt_len,
                                output_len=output_len, model=self.model, ignore_eos=True,
                                extra_body={"temperature": 0})
-        return await async_request_openai_completions(req, self.session)
+        return await self.request(req, self.session)
 
 
 async def _run_requests(client: Client, reqs: list[SampleRequest], rate: float) -> list:
@@ -90,13 +95,13 @@ async def _run_sessions(client: Client, sessions: list[Session], rate: float,
 
 
 async def run(workload: Workload, base_urls: list[str], model: str, rate: float,
-              seed: int = 0) -> RunResult:
+              seed: int = 0, chat: bool = False) -> RunResult:
     """Send `workload` at `rate` (requests/s; sessions/s for sessions)."""
     np.random.seed(seed)  # vLLM's arrival generator draws from numpy's global RNG
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as http:
-        client = Client(base_urls, model, http)
+        client = Client(base_urls, model, http, chat=chat)
         start = time.perf_counter()
         if workload.sessions:
             sent: list = []
@@ -116,11 +121,11 @@ def metrics(result: RunResult, tokenizer, percentiles=(50, 90, 99)):
     return m
 
 
-async def warm_up(base_urls: list[str], model: str) -> None:
+async def warm_up(base_urls: list[str], model: str, chat: bool = False) -> None:
     """One short request per endpoint, so that first-call costs (NIXL handshake,
     lazy allocations) stay out of the timed runs."""
     async with aiohttp.ClientSession() as http:
-        client = Client(base_urls, model, http)
+        client = Client(base_urls, model, http, chat=chat)
         for _ in base_urls:
             out = await client.complete("warm up " * 200, 0, 4)
             if not out.success:

@@ -1,0 +1,104 @@
+"""`pdserve bench gateways`: pdserve's edge and SMG in front of the same workers.
+
+One `pdserve up` (every prompt prefilled remotely) and one SMG
+(`smg launch --pd-disaggregation`) over its prefill and decode workers. The same
+chat workload goes through each gateway in turn, `reps` times, alternating the
+order, so both see the same workers, engines and machine state. Reports vLLM's
+TTFT / TPOT / ITL figures and the CPU seconds the gateway processes spent per
+request (pdserve: edge + router; SMG: its router process).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+
+from .deployments import Hardware, PdserveStack, SmgGateway
+from .load import RunResult, metrics, run, warm_up
+from .workloads import random_1024
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _log(msg: str) -> None:
+    import sys
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps: int,
+                seed: int) -> dict:
+    got = {name: {"requests": [], "outputs": [], "duration": 0.0, "cpu": 0.0}
+           for name in gateways}
+    for name, (urls, _) in gateways.items():
+        await warm_up(urls, model, chat=True)
+    for rep in range(reps):
+        order = list(gateways) if rep % 2 == 0 else list(reversed(gateways))
+        workload = random_1024(tokenizer, n, seed + rep)
+        for name in order:
+            urls, pids = gateways[name]
+            _log(f"{name}: rep {rep + 1}/{reps}, {n} requests at {rate}/s")
+            cpu = _cpu_seconds(pids)
+            result = await run(workload, urls, model, rate, seed, chat=True)
+            g = got[name]
+            g["cpu"] += _cpu_seconds(pids) - cpu
+            g["requests"] += result.requests
+            g["outputs"] += result.outputs
+            g["duration"] += result.duration_s
+    out = {}
+    for name, g in got.items():
+        m = metrics(RunResult(g["requests"], g["outputs"], g["duration"]), tokenizer)
+        p = lambda pairs, q: round(float(dict(pairs)[q]), 2)  # noqa: E731
+        out[name] = {"completed": m.completed, "failed": m.failed,
+                     "ttft_p50_ms": p(m.percentiles_ttft_ms, 50),
+                     "ttft_p99_ms": p(m.percentiles_ttft_ms, 99),
+                     "tpot_p50_ms": p(m.percentiles_tpot_ms, 50),
+                     "itl_p50_ms": p(m.percentiles_itl_ms, 50),
+                     "itl_p99_ms": p(m.percentiles_itl_ms, 99),
+                     "gateway_cpu_ms_per_request": round(1000 * g["cpu"] / max(1, m.completed), 2)}
+    return out
+
+
+def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
+                     hw: Hardware) -> dict:
+    """Start the stack and SMG, measure both, stop both; the result object."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    stack = PdserveStack("gateways", model, local_prefill_below=0, hw=hw)
+    smg = None
+    try:
+        _log("starting pdserve up")
+        edge = stack.start()
+        smg = SmgGateway("smg", model, f"127.0.0.1:{stack.ports['prefill']}",
+                         f"127.0.0.1:{stack.ports['decode']}")
+        _log("starting smg")
+        smg_urls = smg.start()
+        res = asyncio.run(_runs({"pdserve": (edge, stack.gateway_pids()),
+                                 "smg": (smg_urls, smg.pids())},
+                                model, tokenizer, n, rate, reps, seed))
+    finally:
+        if smg:
+            smg.stop()
+        stack.stop()
+    a, b = res["pdserve"], res["smg"]
+    ratio = lambda k: round(a[k] / b[k], 3) if b[k] else None  # noqa: E731
+    ratios = {f"{k}_pdserve_over_smg": ratio(k) for k in
+              ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms",
+               "gateway_cpu_ms_per_request")}
+    targets = {"ttft_p50_le_smg": a["ttft_p50_ms"] <= b["ttft_p50_ms"],
+               "ttft_p99_le_smg": a["ttft_p99_ms"] <= b["ttft_p99_ms"],
+               "tpot_le_1.05x_smg": a["tpot_p50_ms"] <= 1.05 * b["tpot_p50_ms"],
+               "cpu_le_1.5x_smg": (a["gateway_cpu_ms_per_request"]
+                                   <= 1.5 * b["gateway_cpu_ms_per_request"])}
+    return {"workload": f"random 1,024-token chat prompts, 64 out, {rate} req/s, "
+                        f"{n} requests x {reps} alternating reps",
+            "gateways": res, "ratios": ratios, "targets": targets}
