@@ -17,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .deployments import Hardware, PdserveStack, StockVllm
-from .load import metrics, run, warm_up
-from .slo import DEFAULT_MIXES, SLO, goodput
+from .load import latency_figures, metrics, progress, run, warm_up
+from .slo import SLO, goodput
 from .workloads import BUILDERS
 
 
@@ -49,20 +47,13 @@ FULL = Plan({"long_prompts": ([1.0, 2.0, 3.0, 4.0], 60),
             headline_rate=2.0, tpot_check=(1.0, 30))
 
 
-def _log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def _summary(result, tokenizer, mixes: dict[str, SLO]) -> dict:
     m = metrics(result, tokenizer)
-    pct = lambda pairs, p: round(float(dict(pairs)[p]), 2)  # noqa: E731
     return {
         "completed": m.completed, "failed": m.failed,
         "duration_s": round(result.duration_s, 2),
         "request_throughput": round(float(m.request_throughput), 3),
-        "ttft_p50_ms": pct(m.percentiles_ttft_ms, 50), "ttft_p99_ms": pct(m.percentiles_ttft_ms, 99),
-        "tpot_p50_ms": pct(m.percentiles_tpot_ms, 50), "tpot_p99_ms": pct(m.percentiles_tpot_ms, 99),
-        "itl_p50_ms": pct(m.percentiles_itl_ms, 50), "itl_p99_ms": pct(m.percentiles_itl_ms, 99),
+        **latency_figures(m),
         "goodput": {name: round(goodput(result.outputs, result.duration_s, slo), 3)
                     for name, slo in mixes.items()},
         "samples": {"ttft_ms": [round(float(o.ttft) * 1000, 2)
@@ -89,7 +80,7 @@ async def _measure(label: str, urls: list[str], model: str, plan: Plan, tokenize
             # NOTE: new prompts at every rate: a stock engine caches prefixes, and
             # the previous rate's prompts would otherwise come back as cache hits.
             workload = BUILDERS[name](tokenizer, n, seed + 1000 * i)
-            _log(f"{label}: {name} at {rate}/s, {n} requests")
+            progress(f"{label}: {name} at {rate}/s, {n} requests")
             result = await run(workload, urls, model, rate, seed)
             out.append({"deployment": label, "workload": name, "rate": rate,
                         **_summary(result, tokenizer, mixes)})
@@ -179,13 +170,13 @@ def compare(model: str, plan: Plan, mixes: dict[str, SLO], conditional_below: in
     for label, dep in _deployments(model, conditional_below, hw):
         if only and label not in only:
             continue
-        _log(f"{label}: starting")
+        progress(f"{label}: starting")
         try:
             urls = dep.start()
             runs += asyncio.run(_measure(label, urls, model, plan, tokenizer, mixes, seed))
         finally:
             dep.stop()
-            _log(f"{label}: stopped")
+            progress(f"{label}: stopped")
     all_runs = runs + _pick_colocated(runs)
     return report(runs, plan, mixes, command, hw), samples(all_runs, plan)
 

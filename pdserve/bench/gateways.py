@@ -10,12 +10,11 @@ request (pdserve: edge + router; SMG: its router process).
 from __future__ import annotations
 
 import asyncio
-import time
 
 import psutil
 
 from .deployments import Hardware, PdserveStack, SmgGateway
-from .load import RunResult, metrics, run, warm_up
+from .load import RunResult, latency_figures, metrics, progress, run, warm_up
 from .workloads import random_1024
 
 
@@ -30,11 +29,6 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def _log(msg: str) -> None:
-    import sys
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps: int,
                 seed: int) -> dict:
     got = {name: {"requests": [], "outputs": [], "duration": 0.0, "cpu": 0.0}
@@ -46,7 +40,7 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
         workload = random_1024(tokenizer, n, seed + rep)
         for name in order:
             urls, pids = gateways[name]
-            _log(f"{name}: rep {rep + 1}/{reps}, {n} requests at {rate}/s")
+            progress(f"{name}: rep {rep + 1}/{reps}, {n} requests at {rate}/s")
             cpu = _cpu_seconds(pids)
             result = await run(workload, urls, model, rate, seed, chat=True)
             g = got[name]
@@ -57,13 +51,7 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
     out = {}
     for name, g in got.items():
         m = metrics(RunResult(g["requests"], g["outputs"], g["duration"]), tokenizer)
-        p = lambda pairs, q: round(float(dict(pairs)[q]), 2)  # noqa: E731
-        out[name] = {"completed": m.completed, "failed": m.failed,
-                     "ttft_p50_ms": p(m.percentiles_ttft_ms, 50),
-                     "ttft_p99_ms": p(m.percentiles_ttft_ms, 99),
-                     "tpot_p50_ms": p(m.percentiles_tpot_ms, 50),
-                     "itl_p50_ms": p(m.percentiles_itl_ms, 50),
-                     "itl_p99_ms": p(m.percentiles_itl_ms, 99),
+        out[name] = {"completed": m.completed, "failed": m.failed, **latency_figures(m),
                      "gateway_cpu_ms_per_request": round(1000 * g["cpu"] / max(1, m.completed), 2)}
     return out
 
@@ -76,11 +64,11 @@ def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
     stack = PdserveStack("gateways", model, local_prefill_below=0, hw=hw)
     smg = None
     try:
-        _log("starting pdserve up")
+        progress("starting pdserve up")
         edge = stack.start()
         smg = SmgGateway("smg", model, f"127.0.0.1:{stack.ports['prefill']}",
                          f"127.0.0.1:{stack.ports['decode']}")
-        _log("starting smg")
+        progress("starting smg")
         smg_urls = smg.start()
         res = asyncio.run(_runs({"pdserve": (edge, stack.gateway_pids()),
                                  "smg": (smg_urls, smg.pids())},

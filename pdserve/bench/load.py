@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import sys
 import time
 from dataclasses import dataclass
 
@@ -119,6 +120,21 @@ def metrics(result: RunResult, tokenizer, percentiles=(50, 90, 99)):
         m, _ = calculate_metrics(result.requests, result.outputs, result.duration_s,
                                  tokenizer, list(percentiles), {})
     return m
+
+
+def latency_figures(m) -> dict:
+    """The p50/p99 TTFT, TPOT and ITL of vLLM's `BenchmarkMetrics`, in ms."""
+    out = {}
+    for name, pairs in (("ttft", m.percentiles_ttft_ms), ("tpot", m.percentiles_tpot_ms),
+                        ("itl", m.percentiles_itl_ms)):
+        for p in (50, 99):
+            out[f"{name}_p{p}_ms"] = round(float(dict(pairs)[p]), 2)
+    return out
+
+
+def progress(msg: str) -> None:
+    """A timestamped progress line on stderr (stdout carries results)."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 async def warm_up(base_urls: list[str], model: str, chat: bool = False) -> None:
