@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_cpus(spec: str) -> set[int]:
+def parse_cpus(spec: str) -> set[int]:
     """'0,2-3' -> {0, 2, 3}."""
     cpus: set[int] = set()
     for part in spec.split(","):
@@ -138,7 +138,7 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
             # OpenMP threads (and on a 1-thread team not even the main one), so
             # pin the whole worker process tree: engine core, model runner, NIXL.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-            os.sched_setaffinity(0, _parse_cpus(cpus))
+            os.sched_setaffinity(0, parse_cpus(cpus))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

@@ -70,5 +70,15 @@ class Proc:
             raise AssertionError(f"{self.name} did not stop within {timeout}s of SIGTERM")
 
 
+def metric_sum(url: str, name: str, labels: str = "") -> float:
+    """Sum of the Prometheus samples of `name` at `url` whose labels contain `labels`."""
+    import re
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = r.read().decode()
+    values = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", body, re.M)
+    return sum(float(v) for found, v in values if labels in found)
+
+
 def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]

@@ -207,7 +207,20 @@ class SmgGateway:
              "--log-level", "warn"], {})
         self.urls = [f"http://127.0.0.1:{port}"]
         self.children.wait_healthy([u + "/v1/models" for u in self.urls])
+        self._wait_for_model()
         return self.urls
+
+    def _wait_for_model(self) -> None:
+        """SMG answers /v1/models before it has found its workers' model."""
+        import json
+        import urllib.request
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(self.urls[0] + "/v1/models", timeout=2) as r:
+                if json.loads(r.read())["data"]:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.label}: no model listed in {_READY_TIMEOUT_S}s")
 
     def pids(self) -> list[int]:
         """The gateway's processes."""

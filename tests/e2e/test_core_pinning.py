@@ -16,14 +16,7 @@ import psutil
 import pytest
 
 from cases import CASES
-
-
-def _parse_cpus(spec: str) -> set[int]:
-    cores: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    return cores
+from pdserve.cli import parse_cpus
 
 
 def _workers(stack) -> dict[str, tuple[psutil.Process, set[int]]]:
@@ -36,7 +29,7 @@ def _workers(stack) -> dict[str, tuple[psutil.Process, set[int]]]:
             continue
         for role in ("prefill", "decode"):
             if "pdserve.cli" in cmd and role in cmd and "--cpus" in cmd:
-                out[role] = (psutil.Process(pid), _parse_cpus(cmd[cmd.index("--cpus") + 1]))
+                out[role] = (psutil.Process(pid), parse_cpus(cmd[cmd.index("--cpus") + 1]))
     return out
 
 

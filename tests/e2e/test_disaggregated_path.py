@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 
 import grpc
@@ -10,6 +9,7 @@ import openai
 import pytest
 
 from cases import CASES, MAX_TOKENS, Case
+from support import metric_sum
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 
@@ -40,10 +40,7 @@ def _sse_stream(stack, case: Case) -> tuple[str, dict, dict]:
 
 
 def _metric(stack, name: str) -> float:
-    with urllib.request.urlopen(f"{stack.url}/metrics", timeout=10) as r:
-        body = r.read().decode()
-    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
-                                           body, re.M))
+    return metric_sum(f"{stack.url}/metrics", name)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

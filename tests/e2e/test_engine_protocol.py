@@ -4,10 +4,8 @@ the KV travels, and the tokens equal a single stock vLLM engine's."""
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -16,6 +14,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from cases import CASES, MAX_TOKENS
+from support import metric_sum
 from services.edge.openai_protocol import parse_request
 from services.edge.prompts import PromptEncoder
 from transfer.connector import request_params_for_decode, request_params_for_prefill
@@ -47,11 +46,8 @@ def _generate(stub, rid: str, ids: list[int], max_tokens: int, kv: dict | None =
 
 def external_kv_tokens(stack) -> float:
     """vLLM's count of prompt tokens the decode engine took over KV transfer."""
-    with urllib.request.urlopen(stack.decode_metrics, timeout=10) as r:
-        body = r.read().decode()
-    return sum(float(v) for v in re.findall(
-        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
-        body, re.M))
+    return metric_sum(stack.decode_metrics, "vllm:prompt_tokens_by_source_total",
+                      'source="external_kv_transfer"')
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,13 @@ the KV travels from prefill to decode."""
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from cases import CASES
-from support import Proc, free_port
+from pdserve.bench.deployments import SmgGateway
 from test_engine_protocol import external_kv_tokens
 
 
@@ -31,33 +28,11 @@ def _decode_log(stack, request_id: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def smg(stack, model_dir):
-    exe = Path(sys.executable).with_name("smg")
-    if not exe.exists():
-        exe = Path(shutil.which("smg") or "smg")
-    port = free_port()
-    proc = Proc([str(exe), "launch", "--pd-disaggregation",
-                 "--prefill", f"grpc://{stack.prefill}", "--decode", f"grpc://{stack.decode}",
-                 "--host", "127.0.0.1", "--port", str(port), "--model-path", str(model_dir),
-                 # its metrics server binds 0.0.0.0:29000 unless told otherwise
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                 "--log-level", "warn"], name="smg")
-    url = f"http://127.0.0.1:{port}"
+    gateway = SmgGateway("smg-test", str(model_dir), stack.prefill, stack.decode)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
-                    if r.status == 200 and json.loads(r.read())["data"]:
-                        break
-            except OSError:
-                pass
-            assert proc.popen.poll() is None, "\n".join(proc.lines[-40:])
-            time.sleep(0.5)
-        else:
-            raise AssertionError("smg not ready:\n" + "\n".join(proc.lines[-40:]))
-        yield url
+        yield gateway.start()[0]
     finally:
-        proc.stop(timeout=30)
+        gateway.stop()
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.kind == "completion"],
