@@ -81,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--local-prefill-below", type=int, default=32)
     r.add_argument("--worker-timeout", type=float, default=6.0)
+    for role in ("prefill", "decode"):
+        r.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
+                       help=f"a {role} engine that does not register (any server of vLLM's "
+                            f"engine protocol, e.g. `vllm serve --grpc`); repeatable")
 
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"run a {role} worker")
@@ -153,7 +157,9 @@ def _config(a: argparse.Namespace):
     if a.command == "router":
         return RouterConfig(host=a.host, port=a.port,
                             local_prefill_below_tokens=a.local_prefill_below,
-                            worker_timeout_seconds=a.worker_timeout)
+                            worker_timeout_seconds=a.worker_timeout,
+                            static_workers=tuple([("prefill", w) for w in a.prefill_worker]
+                                                 + [("decode", w) for w in a.decode_worker]))
     if a.command in ("prefill", "decode"):
         return WorkerConfig(role=a.command, engine=_engine_config(a),
                             kv=KVTransferConfig(side_channel_port=a.kv_port,
@@ -193,11 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.command in ("prefill", "decode"):
         _engine_env(cfg, a.cpus)
         from services.worker.main import serve_worker
-        if a.command == "prefill":
-            from services.prefill.server import PrefillService as service, add_to_server
-        else:
-            from services.decode.server import DecodeService as service, add_to_server
-        _run(serve_worker(cfg, service, add_to_server, f"pdserve.v1.{a.command.title()}"))
+        _run(serve_worker(cfg))
     elif a.command == "edge":
         from services.edge.server import serve
         _run(serve(cfg))

@@ -105,11 +105,18 @@ class RouterConfig:
     # their KV costs more than recomputing it.
     local_prefill_below_tokens: int = 32
     worker_timeout_seconds: float = 6.0  # no heartbeat for this long = not serving
+    # Engines that do not register (stock `vllm ... --grpc`): ("prefill"|"decode", host:port).
+    static_workers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
         if self.local_prefill_below_tokens < 0:
             raise ValueError("local_prefill_below_tokens must be >= 0")
+        for role, address in self.static_workers:
+            host, _, port = address.rpartition(":")
+            if role not in ("prefill", "decode") or not host or not port.isdigit():
+                raise ValueError(f"static worker must be a prefill/decode HOST:PORT, "
+                                 f"got {role} {address!r}")
         _check_positive("worker_timeout_seconds", self.worker_timeout_seconds)
 
 

@@ -1,10 +1,11 @@
 """A pdserve worker's local path against a stock vLLM server pinned to the same core.
 
 Starts `pdserve up` (both workers, so a worker that strays onto the other's core
-shows), sends N prompts one at a time straight to the decode worker's gRPC
-`Decode` with no KV handle (the worker prefills locally), and times the first
-token and every later one. Then stops it, starts a stock vLLM OpenAI server
-pinned to the decode worker's core, and sends the same token ids over HTTP.
+shows), sends N prompts one at a time straight to the decode worker's
+`Generate` (vLLM's engine protocol) with no kv_transfer_params (the worker
+prefills locally), and times the first token and every later one. Then stops
+it, starts a stock vLLM OpenAI server pinned to the decode worker's core, and
+sends the same token ids over HTTP.
 Prints both side by side with the ratios (target: <= 1.15x); exits 1 when a
 ratio is above --max-ratio.
 
@@ -23,10 +24,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from pdserve.bench.deployments import PdserveStack, StockVllm
 from pdserve.tiny_model import ensure_tiny_model
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2
+from services.edge.engine_requests import decode_request
 
 
 def _timed(chunks) -> tuple[float, float]:
@@ -45,9 +48,9 @@ def _timed(chunks) -> tuple[float, float]:
 
 def _worker_decode(stub, ids: list[int], out_len: int):
     sampling = common_pb2.SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    for chunk in stub.Decode(decode_pb2.DecodeRequest(prompt_token_ids=ids, sampling=sampling),
-                             timeout=300):
-        yield len(chunk.token_ids)
+    rid = f"local-{time.monotonic_ns()}"
+    for resp in stub.Generate(decode_request(rid, ids, sampling, None), timeout=300):
+        yield len(resp.chunk.token_ids)
 
 
 def _stock_completion(url: str, model: str, ids: list[int], out_len: int):
@@ -93,7 +96,7 @@ def main() -> int:
         cores = sorted(os.sched_getaffinity(0))
         decode_cores = cores[len(cores) // 2:]  # `pdserve up` gives decode the upper half
         with grpc.insecure_channel(f"127.0.0.1:{stack.ports['decode']}") as ch:
-            stub = decode_pb2_grpc.DecodeStub(ch)
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(ch)
             mine = _run(f"pdserve decode worker (cores {decode_cores})",
                         lambda ids, n: _worker_decode(stub, ids, n), prompts, a.output_len)
     finally:

@@ -1,8 +1,9 @@
 """Time-to-first-token of the two paths, measured on a running stack's workers.
 
-For each prompt: Prefill on the prefill worker, then Decode with its KV handle
-(disaggregated), then Decode of the same prompt without a handle (local
-prefill on the decode worker). Prints per-prompt times and the medians.
+For each prompt, over vLLM's engine protocol: the prefill leg on the prefill
+worker, then the decode leg with its kv_transfer_params (disaggregated), then
+the decode leg of the same prompt without them (local prefill on the decode
+worker). Prints per-prompt times and the medians.
 
     .venv/bin/python scripts/pd_latency.py --prefill 127.0.0.1:50061 \\
         --decode 127.0.0.1:50071 --model models/tiny-llama --prompts 8 --sentences 30
@@ -10,22 +11,24 @@ prefill on the decode worker). Prints per-prompt times and the medians.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import grpc
+from smg_grpc_proto import vllm_engine_pb2_grpc
 from transformers import AutoTokenizer
 
 from pdserve.tiny_model import synthetic_corpus
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import common_pb2
+from services.edge.engine_requests import decode_request, prefill_request
 
 
-def _decode(stub, rid: str, ids: list[int], sampling, kv=None) -> tuple[float, float]:
-    """(ms to first token, ms to last token) of one Decode call."""
+def _decode(stub, rid: str, ids: list[int], sampling, params=None) -> tuple[float, float]:
+    """(ms to first token, ms to last token) of one decode leg."""
     start, first = time.perf_counter(), None
-    for chunk in stub.Decode(decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
-                                                      sampling=sampling, kv=kv), timeout=300):
-        if chunk.token_ids and first is None:
+    for resp in stub.Generate(decode_request(rid, ids, sampling, params), timeout=300):
+        if resp.chunk.token_ids and first is None:
             first = time.perf_counter()
     return (first - start) * 1000, (time.perf_counter() - start) * 1000
 
@@ -42,18 +45,19 @@ def main() -> None:
     a = p.parse_args()
 
     tok = AutoTokenizer.from_pretrained(a.model)
-    prefill = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(a.prefill))
-    decode = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(a.decode))
+    prefill = vllm_engine_pb2_grpc.VllmEngineStub(grpc.insecure_channel(a.prefill))
+    decode = vllm_engine_pb2_grpc.VllmEngineStub(grpc.insecure_channel(a.decode))
     sampling = common_pb2.SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     rows = []
     stamp = time.time_ns()
     for i in range(a.prompts):
         ids = tok.encode(" ".join(synthetic_corpus(1000 + i, a.sentences)))
         t0 = time.perf_counter()
-        handle = prefill.Prefill(prefill_pb2.PrefillRequest(
-            request_id=f"lat-{stamp}-{i}-p", prompt_token_ids=ids, sampling=sampling), timeout=300)
+        done = list(prefill.Generate(prefill_request(f"lat-{stamp}-{i}", ids, sampling),
+                                     timeout=300))[-1].complete
         prefill_ms = (time.perf_counter() - t0) * 1000
-        kv_first, kv_total = _decode(decode, f"lat-{stamp}-{i}-d", ids, sampling, handle.kv)
+        params = json.loads(done.kv_transfer_params_json)
+        kv_first, kv_total = _decode(decode, f"lat-{stamp}-{i}", ids, sampling, params)
         local_first, local_total = _decode(decode, f"lat-{stamp}-{i}-l", ids, sampling)
         rows.append((len(ids), prefill_ms, kv_first, prefill_ms + kv_first, local_first,
                      kv_total, local_total))

@@ -52,21 +52,3 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
-
-class KVHandle(_message.Message):
-    __slots__ = ("connector", "engine_id", "block_ids", "lease_id", "lease_expires_unix_ms", "params_json", "num_tokens")
-    CONNECTOR_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    connector: str
-    engine_id: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    lease_id: str
-    lease_expires_unix_ms: int
-    params_json: str
-    num_tokens: int
-    def __init__(self, connector: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., params_json: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...

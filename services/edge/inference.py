@@ -26,6 +26,10 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND
            429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 
 
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+           "abort": common_pb2.FINISH_REASON_ABORT}
+
+
 def _check_sampling(p: common_pb2.SamplingParams) -> None:
     if p.temperature < 0 or p.temperature > 2:
         raise APIError(400, "sampling.temperature must be in [0, 2]")
@@ -92,7 +96,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                                                   token_ids=item.token_ids, text=item.text,
                                                   path=stream.path)
                 if item.finish_reason:
-                    out.finish_reason = item.finish_reason
+                    out.finish_reason = _FINISH.get(item.finish_reason,
+                                                    common_pb2.FINISH_REASON_ABORT)
                     out.prompt_tokens = len(gen.prompt_token_ids)
                     out.completion_tokens = stream.completion_tokens
                 yield out

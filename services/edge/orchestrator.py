@@ -1,30 +1,35 @@
-"""One request's trip through the cluster: Route -> Prefill -> Decode.
+"""One request's trip through the cluster: Route -> prefill -> decode.
 
-`start()` does everything that can still fail cleanly (routing, prefill), so
-the HTTP layer knows the outcome and the path before it sends headers; the
-returned `GenerationStream` then yields the decode worker's token chunks.
-A prefill that fails does not fail the request: the decode worker prefills
-locally instead (path "local").
+Workers speak vLLM's engine protocol (`vllm.grpc.engine.VllmEngine`): the
+prefill leg is a `Generate` with `max_tokens=1` that leaves the prompt's KV
+blocks for a decoder and returns their `kv_transfer_params_json`; the decode
+leg is a streaming `Generate` carrying those params, whose connector pulls the
+blocks. `start()` does everything that can still fail cleanly (routing,
+prefill), so the HTTP layer knows the outcome and the path before it sends
+headers; the returned `GenerationStream` then yields text chunks. A prefill
+that fails does not fail the request: the decode worker prefills locally
+instead (path "local").
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve.rpc import channel
-from pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2,
-                        prefill_pb2_grpc, router_pb2, router_pb2_grpc)
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from .detokenizer import StopRule, TextStream
+from .engine_requests import decode_request, prefill_request
 from .openai_protocol import APIError
 
 log = logging.getLogger("pdserve.edge")
-
-FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                common_pb2.FINISH_REASON_ABORT: "abort"}
 
 
 @dataclass(slots=True)
@@ -39,41 +44,72 @@ class Generation:
 
 
 @dataclass(slots=True)
+class Chunk:
+    """A piece of one request's output, as the edge relays it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None            # "stop" | "length" | "abort" on the last
+
+
+@dataclass(slots=True)
 class GenerationStream:
-    """A placed request: its path is known; iterate `chunks()` for tokens."""
+    """A placed request: its path is known; iterate `chunks()` for tokens and text."""
 
     gen: Generation
     path: str                                   # "disaggregated" | "local"
     decode_worker: str
-    decode_stub: decode_pb2_grpc.DecodeStub
-    kv: common_pb2.KVHandle | None
+    decode_stub: vllm_engine_pb2_grpc.VllmEngineStub
+    prefill_params: dict[str, Any] | None       # the prefill's kv_transfer_params
+    text: TextStream
     timeout: float
     completion_tokens: int = 0
     finish_reason: str | None = None
     first_token_at: float | None = None         # perf_counter() when the first token arrived
     stats: dict = field(default_factory=dict)
+    aborts: set = field(default_factory=set)    # in-flight Abort calls (kept referenced)
 
-    async def chunks(self) -> AsyncIterator[decode_pb2.DecodeChunk]:
-        """Decode chunks in order; leaving early cancels the call (frees the blocks)."""
-        req = decode_pb2.DecodeRequest(request_id=self.gen.request_id,
-                                       prompt_token_ids=self.gen.prompt_token_ids,
-                                       sampling=self.gen.sampling, kv=self.kv)
-        call = self.decode_stub.Decode(req, timeout=self.timeout)
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Chunks in order; leaving early cancels the call and aborts the request."""
+        req = decode_request(self.gen.request_id, self.gen.prompt_token_ids, self.gen.sampling,
+                             self.prefill_params)
+        call = self.decode_stub.Generate(req, timeout=self.timeout)
         try:
-            async for chunk in call:
-                if chunk.num_prompt_tokens:
-                    self.stats.update(decode_cached_tokens=chunk.num_cached_tokens,
-                                      decode_external_tokens=chunk.num_external_tokens)
-                if chunk.token_ids and self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                self.completion_tokens += len(chunk.token_ids)
-                if chunk.finish_reason:
-                    self.finish_reason = FINISH_NAMES.get(chunk.finish_reason, "stop")
-                yield chunk
+            async for resp in call:
+                if resp.HasField("chunk"):
+                    c = resp.chunk
+                    if c.token_ids and self.first_token_at is None:
+                        self.first_token_at = time.perf_counter()
+                        self.stats.update(decode_cached_tokens=c.cached_tokens,
+                                          decode_external_tokens=c.cached_tokens
+                                          if self.prefill_params else 0)
+                    self.completion_tokens += len(c.token_ids)
+                    text = self.text.add(c.token_ids)
+                    if self.text.stop_string is not None:
+                        # The edge saw the stop string first: end here.
+                        self.finish_reason = "stop"
+                        yield Chunk(list(c.token_ids), text, "stop")
+                        return
+                    if text or c.token_ids:
+                        yield Chunk(list(c.token_ids), text)
+                else:
+                    self.finish_reason = resp.complete.finish_reason or "stop"
+                    yield Chunk([], self.text.finish(), self.finish_reason)
+                    return
         except grpc.aio.AioRpcError as e:
             raise _api_error(e, f"decode worker {self.decode_worker}") from e
         finally:
-            call.cancel()
+            call.cancel()                       # a no-op once the call has ended
+            if self.finish_reason is None:
+                self._abort()
+
+    def _abort(self) -> None:
+        """Tell the decode worker to drop the request (cancelling the call does too;
+        this also reaches an engine whose servicer missed the cancellation)."""
+        task = asyncio.ensure_future(self.decode_stub.Abort(
+            vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=2.0))
+        self.aborts.add(task)
+        task.add_done_callback(lambda t: (self.aborts.discard(t), t.cancelled() or t.exception()))
 
 
 def _api_error(e: grpc.aio.AioRpcError, who: str) -> APIError:
@@ -87,20 +123,29 @@ def _api_error(e: grpc.aio.AioRpcError, who: str) -> APIError:
     return APIError(503, f"{who} is unavailable ({code.name})", type="service_unavailable")
 
 
+def _stop_rule(tokenizer, s: common_pb2.SamplingParams) -> StopRule:
+    """What ends generation besides max_tokens: stop strings, stop ids, EOS."""
+    ids = set(s.stop_token_ids)
+    if not s.ignore_eos and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return StopRule(stop=tuple(s.stop), stop_token_ids=frozenset(ids))
+
+
 class Orchestrator:
     """Places requests and holds one channel per worker address."""
 
-    def __init__(self, router_address: str, request_timeout: float):
+    def __init__(self, router_address: str, request_timeout: float, tokenizer):
         self.router_channel = channel(router_address)
         self.router = router_pb2_grpc.RouterStub(self.router_channel)
         self.timeout = request_timeout
+        self.tokenizer = tokenizer
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.prefill_fallbacks = 0
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def _engine(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
         if address not in self._channels:
             self._channels[address] = channel(address)
-        return self._channels[address]
+        return vllm_engine_pb2_grpc.VllmEngineStub(self._channels[address])
 
     async def workers(self) -> list[router_pb2.WorkerInfo]:
         """Every worker the router knows, with liveness."""
@@ -115,35 +160,47 @@ class Orchestrator:
                 prompt_tokens=len(gen.prompt_token_ids)), timeout=5.0)
         except grpc.aio.AioRpcError as e:
             raise _api_error(e, "router") from e
-        kv, stats = None, {}
+        params, stats = None, {}
         if not decision.local_prefill:
-            kv, stats = await self._prefill(gen, decision.prefill)
-        path = "disaggregated" if kv is not None else "local"
+            params, stats = await self._prefill(gen, decision.prefill)
+        path = "disaggregated" if params is not None else "local"
         log.info("request %s: path=%s decode=%s prefill=%s (%s)", gen.request_id, path,
                  decision.decode.worker_id, decision.prefill.worker_id or "-", decision.reason)
         return GenerationStream(
             gen=gen, path=path, decode_worker=decision.decode.worker_id,
-            decode_stub=decode_pb2_grpc.DecodeStub(self._channel(decision.decode.address)),
-            kv=kv, timeout=self.timeout, stats=stats)
+            decode_stub=self._engine(decision.decode.address), prefill_params=params,
+            text=TextStream(self.tokenizer, gen.prompt_token_ids,
+                            _stop_rule(self.tokenizer, gen.sampling)),
+            timeout=self.timeout, stats=stats)
 
     async def _prefill(self, gen: Generation, worker: router_pb2.WorkerInfo
-                       ) -> tuple[common_pb2.KVHandle | None, dict]:
-        stub = prefill_pb2_grpc.PrefillStub(self._channel(worker.address))
+                       ) -> tuple[dict[str, Any] | None, dict]:
+        """The prefill leg; None (and local prefill) when it fails for any reason but
+        bad input."""
+        stub = self._engine(worker.address)
         started = time.perf_counter()
         try:
-            resp = await stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id=gen.request_id, prompt_token_ids=gen.prompt_token_ids,
-                sampling=gen.sampling), timeout=self.timeout)
+            params = None
+            async for resp in stub.Generate(prefill_request(gen.request_id, gen.prompt_token_ids,
+                                                            gen.sampling), timeout=self.timeout):
+                if resp.HasField("complete") and resp.complete.HasField("kv_transfer_params_json"):
+                    params = json.loads(resp.complete.kv_transfer_params_json)
+            if not params or not params.get("remote_block_ids"):
+                raise ValueError("the prefill returned no KV blocks to hand over")
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise _api_error(e, f"prefill worker {worker.worker_id}") from e
-            # NOTE: a failed prefill degrades to local prefill, never to an error.
-            self.prefill_fallbacks += 1
-            log.warning("prefill on %s failed (%s: %s); prefilling locally", worker.worker_id,
-                        e.code().name, e.details())
-            return None, {"prefill_fallback": True}
-        return resp.kv, {"prefill_worker": resp.worker_id, "first_token_id": resp.first_token_id,
-                         "prefill_ms": (time.perf_counter() - started) * 1000}
+            return self._fall_back(worker, f"{e.code().name}: {e.details()}")
+        except ValueError as e:
+            return self._fall_back(worker, str(e))
+        return params, {"prefill_worker": worker.worker_id,
+                        "prefill_ms": (time.perf_counter() - started) * 1000}
+
+    def _fall_back(self, worker: router_pb2.WorkerInfo, why: str) -> tuple[None, dict]:
+        # NOTE: a failed prefill degrades to local prefill, never to an error.
+        self.prefill_fallbacks += 1
+        log.warning("prefill on %s failed (%s); prefilling locally", worker.worker_id, why)
+        return None, {"prefill_fallback": True}
 
     async def close(self) -> None:
         """Close every channel."""

@@ -20,8 +20,8 @@ log = logging.getLogger("pdserve.edge")
 
 async def serve(cfg: EdgeConfig) -> None:
     """Serve HTTP on cfg.host:cfg.port until signalled; streams in flight get 30 s to finish."""
-    orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds)
     encoder = PromptEncoder(cfg.model)
+    orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer)
     app = build_app(cfg, orchestrator, encoder)
     inference = InferenceService(cfg, orchestrator, encoder)
     grpc_server = Server(cfg.host, cfg.grpc_port,

@@ -2,8 +2,9 @@
 
 First policy: session affinity by rendezvous hashing (a session keeps its
 decode worker while that worker lives; losing one moves only its sessions),
-least-loaded otherwise; remote prefill unless the prompt is too short to be
-worth a transfer or no prefill worker serves.
+least-loaded otherwise (the engine's running + waiting requests as last read
+with GetLoads, then requests placed here); remote prefill unless the prompt is
+too short to be worth a transfer or no prefill worker serves.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _score(session_id: str, worker_id: str) -> int:
 def _pick(candidates: list[WorkerEntry], session_id: str) -> WorkerEntry:
     if session_id:
         return max(candidates, key=lambda e: _score(session_id, e.info.worker_id))
-    return min(candidates, key=lambda e: (e.routed, e.info.worker_id))
+    return min(candidates, key=lambda e: (e.load, e.routed, e.info.worker_id))
 
 
 def place(registry: WorkerRegistry, req: router_pb2.RouteRequest,

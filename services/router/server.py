@@ -1,4 +1,9 @@
-"""The Router gRPC service: registration, heartbeats, Route."""
+"""The Router gRPC service: registration, heartbeats, Route.
+
+Workers are found two ways (see `probes.py`): pdserve's own register and
+heartbeat; engines named with `--prefill-worker`/`--decode-worker` are probed
+over vLLM's engine protocol. Every worker's load is read with GetLoads.
+"""
 from __future__ import annotations
 
 import logging
@@ -12,6 +17,7 @@ from pdserve.v1 import router_pb2, router_pb2_grpc
 
 from .placement import NoWorkerError, place
 from .registry import ROLE_NAMES, WorkerRegistry
+from .probes import EngineProbes
 
 log = logging.getLogger("pdserve.router")
 
@@ -62,7 +68,14 @@ async def serve(cfg: RouterConfig) -> None:
     server = Server(cfg.host, cfg.port,
                     lambda s: router_pb2_grpc.add_RouterServicer_to_server(service, s),
                     ["pdserve.v1.Router"])
+    probes = EngineProbes(service.registry, list(cfg.static_workers),
+                          cfg.worker_timeout_seconds / 3)
     await server.start()
-    log.info("router listening on %s:%d", cfg.host, server.port)
-    await until_signalled()
-    await server.stop(grace=2.0)
+    probes.start()
+    log.info("router listening on %s:%d (%d static workers)", cfg.host, server.port,
+             len(cfg.static_workers))
+    try:
+        await until_signalled()
+    finally:
+        await probes.stop()
+        await server.stop(grace=2.0)

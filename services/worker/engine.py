@@ -1,58 +1,17 @@
-"""A worker's vLLM engine: build it from config, run one request, abort one.
+"""A worker's vLLM engine (`AsyncLLM`), built from pdserve's config.
 
-Prefill and decode workers each own exactly one `LLMEngine`. It speaks token
-ids in and token ids (+ detokenized text) out; everything HTTP/OpenAI shaped
-stays at the edge.
+Prefill and decode workers each own exactly one engine; vLLM's engine-protocol
+servicer (`engine_protocol.py`) runs requests on it. Token ids in, token ids
+out; everything HTTP/OpenAI shaped stays at the edge.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
 
 from pdserve.config import EngineConfig, KVTransferConfig
-from pdserve.v1 import common_pb2
 from transfer.connector import engine_kv_config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineStep:
-    """What one engine iteration produced for one request (a delta)."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None       # "stop" | "length" | "abort" | None
-    stop_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int           # local prefix hits + KV pulled from prefill
-    kv_transfer_params: dict[str, Any] | None
-
-
-def sampling_from_proto(p: common_pb2.SamplingParams, *, max_tokens: int | None = None,
-                        kv_transfer_params: dict[str, Any] | None = None):
-    """vLLM SamplingParams from the wire form (validated at the edge)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p or 1.0,
-        top_k=p.top_k if p.top_k > 0 else 0,
-        max_tokens=max_tokens if max_tokens is not None else (p.max_tokens or 16),
-        seed=p.seed if p.HasField("seed") else None,
-        stop=list(p.stop) or None,
-        stop_token_ids=list(p.stop_token_ids) or None,
-        ignore_eos=p.ignore_eos,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty or 1.0,
-        output_kind=RequestOutputKind.DELTA,
-        extra_args=extra,
-    )
 
 
 class VllmEngine:
@@ -81,23 +40,6 @@ class VllmEngine:
         self.cfg = cfg
         self.llm = AsyncLLM.from_engine_args(args)
         log.info("engine ready: model=%s role=%s dtype=%s", cfg.name, role, cfg.dtype)
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling) -> AsyncIterator[EngineStep]:
-        """Run one request; yields deltas until it finishes. Cancelling aborts it."""
-        from vllm.inputs import TokensPrompt
-
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                           sampling, request_id):
-            c = out.outputs[0]
-            yield EngineStep(
-                token_ids=list(c.token_ids), text=c.text, finished=out.finished,
-                finish_reason=c.finish_reason if out.finished else None,
-                stop_reason=c.stop_reason if isinstance(c.stop_reason, str) else None,
-                num_prompt_tokens=len(prompt_token_ids),
-                num_cached_tokens=out.num_cached_tokens or 0,
-                kv_transfer_params=out.kv_transfer_params,
-            )
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (idempotent)."""

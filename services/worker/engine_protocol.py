@@ -45,7 +45,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         started = time.perf_counter()
-        n, prompt_tokens, cached = 0, 0, 0
+        n, prompt_tokens, cached, ended = 0, 0, 0, "cancelled"
         try:
             async for resp in super().Generate(request, context):
                 if resp.HasField("chunk"):
@@ -53,11 +53,18 @@ class WorkerEngineServicer(VllmEngineServicer):
                 else:
                     n = n or len(resp.complete.output_ids)
                     prompt_tokens, cached = resp.complete.prompt_tokens, resp.complete.cached_tokens
+                    ended = resp.complete.finish_reason
                 yield resp
         finally:
-            log.info("generate %s on %s: %d prompt tokens (%d cached), %d generated, %.1f ms%s",
-                     request.request_id, self.worker_id, prompt_tokens, cached, n,
-                     (time.perf_counter() - started) * 1000, _kv_note(request))
+            # "cancelled": the caller went away; vLLM aborted the request as the
+            # cancellation passed through AsyncLLM.generate, freeing its blocks.
+            log.info("generate %s on %s %s after %d tokens: %d prompt tokens (%d cached), "
+                     "%.1f ms%s", request.request_id, self.worker_id, ended, n, prompt_tokens,
+                     cached, (time.perf_counter() - started) * 1000, _kv_note(request))
+
+    async def Abort(self, request, context):
+        log.info("abort %s on %s", ",".join(request.request_ids), self.worker_id)
+        return await super().Abort(request, context)
 
 
 def _kv_note(request) -> str:

@@ -1,4 +1,4 @@
-"""Run one worker process: engine, gRPC server, router registration."""
+"""Run one worker process: engine, gRPC server (vLLM's engine protocol), router registration."""
 from __future__ import annotations
 
 import logging
@@ -23,24 +23,21 @@ log = logging.getLogger(__name__)
 _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE}
 
 
-async def serve_worker(cfg: WorkerConfig, make_servicer, add_to_server, service_name: str) -> None:
-    """Build the engine; serve `service_name` and vLLM's `VllmEngine` on one gRPC port;
-    stay registered until signalled."""
+async def serve_worker(cfg: WorkerConfig) -> None:
+    """Build the engine; serve vLLM's `VllmEngine` (and gRPC health, reflection) on
+    one port; stay registered with the router until signalled."""
     engine = VllmEngine(cfg.engine, cfg.role, cfg.kv)
-    servicer = make_servicer(engine, cfg.worker_id)
-    vllm_servicer = WorkerEngineServicer(engine, cfg.worker_id)
+    servicer = WorkerEngineServicer(engine, cfg.worker_id)
 
     def add_servicers(server) -> None:
-        add_to_server(servicer, server)
-        add_engine_protocol(vllm_servicer, server)
+        add_engine_protocol(servicer, server)
         # grpcurl and gateways discover the services by reflection, as on `vllm serve --grpc`.
         reflection.enable_server_reflection(
-            [service_name, ENGINE_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME],
-            server)
+            [ENGINE_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
 
-    server = Server(cfg.host, cfg.port, add_servicers, [service_name, ENGINE_SERVICE])
+    server = Server(cfg.host, cfg.port, add_servicers, [ENGINE_SERVICE])
     # Default id from the bound port, so that port 0 still gives a stable, unique name.
-    worker_id = servicer.worker_id = vllm_servicer.worker_id = (
+    worker_id = servicer.worker_id = (
         cfg.worker_id or f"{cfg.role}-{socket.gethostname()}-{server.port}")
     await server.start()
     if cfg.metrics_port:

@@ -6,10 +6,6 @@ INVALID_ARGUMENT, never a crash.
 """
 from __future__ import annotations
 
-import grpc
-
-from pdserve.v1 import common_pb2
-
 
 def prompt_problem(token_ids, max_model_len: int, vocab_size: int) -> str | None:
     """Why a tokenized prompt cannot run, or None."""
@@ -30,12 +26,3 @@ def sampling_problem(max_tokens: int | None, temperature: float | None,
     if (temperature is not None and temperature < 0) or not 0 <= top_p <= 1:
         return "sampling temperature must be >= 0 and top_p in [0, 1]"
     return None
-
-
-async def check_prompt(context, token_ids, max_model_len: int, vocab_size: int,
-                       sampling: common_pb2.SamplingParams) -> None:
-    """Abort the call with INVALID_ARGUMENT when the request cannot run."""
-    problem = (prompt_problem(token_ids, max_model_len, vocab_size)
-               or sampling_problem(sampling.max_tokens, sampling.temperature, sampling.top_p))
-    if problem:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)

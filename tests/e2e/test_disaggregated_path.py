@@ -10,7 +10,9 @@ import pytest
 
 from cases import CASES, MAX_TOKENS, Case
 from support import metric_sum
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from engine_client import generate
+from smg_grpc_proto import vllm_engine_pb2_grpc
+from transfer.connector import request_params_for_decode, request_params_for_prefill
 
 
 def _piece(case: Case, choice: dict) -> str:
@@ -92,13 +94,6 @@ def test_short_prompt_takes_local_path(stack):
     assert body["usage"]["completion_tokens"] >= 1
 
 
-def _decode(stub, request_id, ids, kv=None) -> tuple[list[int], decode_pb2.DecodeChunk]:
-    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    chunks = list(stub.Decode(decode_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=ids, sampling=sampling, kv=kv), timeout=120))
-    return [t for c in chunks for t in c.token_ids], chunks[0]
-
-
 def test_decode_uses_the_transferred_kv_not_its_own(stack, model_dir):
     """Hand decode prompt B together with the KV of prompt A (same length, same
     last token): if the blocks really travelled, decode continues A, not B."""
@@ -110,18 +105,17 @@ def test_decode_uses_the_transferred_kv_not_its_own(stack, model_dir):
     assert len(a) == len(b) and a[-1] == b[-1] and a != b
 
     with grpc.insecure_channel(stack.prefill) as pch, grpc.insecure_channel(stack.decode) as dch:
-        prefill = prefill_pb2_grpc.PrefillStub(pch)
-        decode = decode_pb2_grpc.DecodeStub(dch)
-        local_a, _ = _decode(decode, "swap-local-a", a)
-        local_b, _ = _decode(decode, "swap-local-b", b)
+        prefill = vllm_engine_pb2_grpc.VllmEngineStub(pch)
+        decode = vllm_engine_pb2_grpc.VllmEngineStub(dch)
+        local_a, _ = generate(decode, "swap-local-a", a, 12)
+        local_b, _ = generate(decode, "swap-local-b", b, 12)
         assert local_a != local_b
-        handle = prefill.Prefill(prefill_pb2.PrefillRequest(
-            request_id="swap-a", prompt_token_ids=a,
-            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=12)), timeout=60)
-        assert handle.kv.num_tokens >= len(a) - 1 and len(handle.kv.block_ids) == 4
-        assert handle.first_token_id == local_a[0]
-        swapped, first = _decode(decode, "swap-b-with-a", b, kv=handle.kv)
-    assert first.num_external_tokens >= len(a) - 1
+        first, done = generate(prefill, "swap-a", a, 1, kv=request_params_for_prefill())
+        params = json.loads(done.kv_transfer_params_json)
+        assert len(params["remote_block_ids"][0]) == 4 and first[0] == local_a[0]
+        swapped, done = generate(decode, "swap-b-with-a", b, 12,
+                                 kv=request_params_for_decode(params))
+    assert done.cached_tokens >= len(a) - 1
     assert swapped == local_a
 
 

@@ -65,10 +65,11 @@ def test_client_disconnect_mid_stream_ends_the_request(stack):
         time.sleep(0.2)
     assert _running(stack) == 0
     # The decode worker saw the cancellation and aborted the engine request
-    # long before its 1500 tokens.
-    pattern = re.compile(rf"decode {rid} cancelled after (\d+) tokens")
-    while not (hits := [m for line in stack.proc.lines if (m := pattern.search(line))]):
-        assert time.monotonic() < deadline, "decode worker never logged the cancellation"
+    # long before its 1500 tokens; the edge also sent it an Abort.
+    pattern = re.compile(rf"generate {rid} on decode\S* cancelled after (\d+) tokens")
+    while not (hits := [m for line in stack.proc.lines if (m := pattern.search(line))]) \
+            or not any(f"abort {rid} on decode" in line for line in stack.proc.lines):
+        assert time.monotonic() < deadline, "decode worker never logged the cancellation/abort"
         time.sleep(0.2)
     assert 3 <= int(hits[0].group(1)) < 1500
     assert time.monotonic() - started < 20

@@ -14,7 +14,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from cases import CASES, MAX_TOKENS
-from support import metric_sum
+from engine_client import external_kv_tokens, generate
 from services.edge.openai_protocol import parse_request
 from services.edge.prompts import PromptEncoder
 from transfer.connector import request_params_for_decode, request_params_for_prefill
@@ -26,28 +26,6 @@ def _ids(model_dir, case) -> list[int]:
     req = parse_request(kind, json.dumps(case.body(str(model_dir), False)).encode(),
                         [str(model_dir)])
     return PromptEncoder(str(model_dir)).encode(req)
-
-
-def _generate(stub, rid: str, ids: list[int], max_tokens: int, kv: dict | None = None):
-    """(output token ids, the Complete message) of one streamed Generate."""
-    sampling = pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    req = pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=ids),
-                             sampling_params=sampling, stream=True)
-    if kv is not None:
-        req.kv_transfer_params_json = json.dumps(kv)
-    tokens, complete = [], None
-    for resp in stub.Generate(req, timeout=120):
-        if resp.HasField("chunk"):
-            tokens += resp.chunk.token_ids
-        else:
-            complete = resp.complete
-    return tokens, complete
-
-
-def external_kv_tokens(stack) -> float:
-    """vLLM's count of prompt tokens the decode engine took over KV transfer."""
-    return metric_sum(stack.decode_metrics, "vllm:prompt_tokens_by_source_total",
-                      'source="external_kv_transfer"')
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +40,11 @@ def test_prefill_then_decode_over_vllm_protocol_equals_single_engine(stubs, stac
     prefill, decode = stubs
     ids = _ids(model_dir, case)
     before = external_kv_tokens(stack)
-    first, done = _generate(prefill, f"proto-p-{case.name}", ids, 1,
+    first, done = generate(prefill, f"proto-p-{case.name}", ids, 1,
                             kv=request_params_for_prefill())
     params = json.loads(done.kv_transfer_params_json)
     assert params["remote_block_ids"] and params["remote_engine_id"]
-    out, done = _generate(decode, f"proto-d-{case.name}", ids, MAX_TOKENS,
+    out, done = generate(decode, f"proto-d-{case.name}", ids, MAX_TOKENS,
                           kv=request_params_for_decode(params))
     assert out[0] == first[0] and len(out) == MAX_TOKENS
     # The decode engine computed only the last prompt token; the rest came over NIXL.
@@ -89,24 +67,39 @@ def test_server_info_health_and_reflection(stubs, stack):
     assert {"vllm.grpc.engine.VllmEngine", "grpc.health.v1.Health"} <= names
 
 
-@pytest.mark.parametrize("ids,why", [([], "empty"), ([1, 2, 99999], "vocabulary"),
-                                     ([1] * 4096, "context")])
-def test_bad_requests_are_invalid_argument_and_the_worker_keeps_serving(stubs, ids, why):
-    _, decode = stubs
+@pytest.mark.parametrize("worker", ["prefill", "decode"])
+@pytest.mark.parametrize("ids,max_tokens,kv,why", [
+    ([], 4, None, "empty"), ([1, 2, 99999], 4, None, "vocabulary"),
+    ([1] * 4096, 4, None, "context"), ([5, 6], 0, None, "max_tokens"),
+    ([5, 6], 4, "{not json", "kv_transfer_params_json")],
+    ids=["empty", "out-of-vocab", "too-long", "zero-max-tokens", "bad-kv-json"])
+def test_bad_requests_are_invalid_argument_and_the_worker_keeps_serving(stubs, worker, ids,
+                                                                         max_tokens, kv, why):
+    stub = stubs[worker == "decode"]
     with pytest.raises(grpc.RpcError) as e:
-        _generate(decode, f"bad-{why}", ids, 4)
+        generate(stub, f"bad-{why}-{worker}", ids, max_tokens, kv=kv)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
-    out, _ = _generate(decode, f"after-bad-{why}", [5, 6, 7, 8], 3)
+    out, _ = generate(stub, f"after-bad-{why}-{worker}", [5, 6, 7, 8], 3)
     assert len(out) == 3
 
 
-def test_abort_from_another_call_ends_a_running_generate(stubs):
+def test_prompt_plus_generated_tokens_continues_exactly(stubs):
+    """What stream resumption relies on: sending prompt + the tokens already
+    streamed, with max_tokens reduced by as many, continues where it stopped."""
+    _, decode = stubs
+    prompt = list(range(10, 60))
+    whole, _ = generate(decode, "resume-whole", prompt, 10)
+    rest, _ = generate(decode, "resume-rest", prompt + whole[:4], 6)
+    assert len(whole) == 10 and rest == whole[4:]
+
+
+def test_abort_from_another_call_ends_a_runninggenerate(stubs):
     _, decode = stubs
     result: dict = {}
 
     def run() -> None:
         try:
-            result["out"] = _generate(decode, "proto-abort-me", [5, 6, 7, 8] * 10, 1500)
+            result["out"] = generate(decode, "proto-abort-me", [5, 6, 7, 8] * 10, 1500)
         except grpc.RpcError as e:
             result["error"] = e.code()
 

@@ -24,9 +24,11 @@ async def test_unreachable_prefill_falls_back_to_local_prefill(stack, reference,
             ("real-decode", common_pb2.WORKER_ROLE_DECODE, stack.decode)):
         await service.Register(router_pb2.RegisterRequest(worker=router_pb2.WorkerInfo(
             worker_id=wid, role=role, address=address, model=stack.model, serving=True)), None)
-    orchestrator = Orchestrator(f"127.0.0.1:{server.port}", request_timeout=120)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    orchestrator = Orchestrator(f"127.0.0.1:{server.port}", request_timeout=120,
+                                tokenizer=tokenizer)
     case = next(c for c in CASES if c.kind == "completion")
-    ids = AutoTokenizer.from_pretrained(model_dir).encode(case.payload["prompt"])
+    ids = tokenizer.encode(case.payload["prompt"])
     try:
         stream = await orchestrator.start(Generation(
             request_id="fallback-1", model=stack.model, prompt_token_ids=ids,

@@ -12,7 +12,7 @@ import pytest
 
 from cases import CASES
 from pdserve.bench.deployments import SmgGateway
-from test_engine_protocol import external_kv_tokens
+from engine_client import external_kv_tokens
 
 
 def _decode_log(stack, request_id: str) -> str | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve.config import RouterConfig
 from pdserve.rpc import Server, channel
@@ -10,6 +11,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.placement import place
 from services.router.registry import WorkerRegistry
 from services.router.server import RouterService
+from services.router.probes import EngineProbes
 
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
 
@@ -120,3 +122,83 @@ def test_model_mismatch_is_not_routed():
     reg = WorkerRegistry(timeout=6.0, clock=FakeClock())
     reg.register(_worker("d0", DECODE, model="other"))
     assert reg.serving(DECODE, "m") == []
+
+
+class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """vLLM's engine protocol, health and model info only: a stock engine as the router sees it."""
+
+    def __init__(self):
+        self.healthy = True
+        self.running, self.waiting = 0, 0
+
+    async def HealthCheck(self, request, context):
+        return vllm_engine_pb2.HealthCheckResponse(healthy=self.healthy, message="test")
+
+    async def GetModelInfo(self, request, context):
+        return vllm_engine_pb2.GetModelInfoResponse(served_model_name="m", model_path="/m")
+
+    async def GetLoads(self, request, context):
+        return vllm_engine_pb2.GetLoadsResponse(loads=[vllm_engine_pb2.SchedulerLoad(
+            num_running_reqs=self.running, num_waiting_reqs=self.waiting)])
+
+
+async def test_static_workers_are_probed_into_the_registry_and_age_out():
+    engine = FakeEngine()
+    server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+        engine, s), ["vllm.grpc.engine.VllmEngine"])
+    await server.start()
+    clock = FakeClock()
+    registry = WorkerRegistry(timeout=6.0, clock=clock)
+    address = f"127.0.0.1:{server.port}"
+    static = EngineProbes(registry, [("decode", address)], interval=2.0)
+    try:
+        assert await static.probe("decode", address)
+        [entry] = registry.serving(DECODE, "m")
+        assert entry.info.worker_id == f"decode@{address}" and entry.info.address == address
+        engine.healthy = False
+        assert not await static.probe("decode", address)
+        assert registry.serving(DECODE, "m") == []
+        assert [w.serving for w in registry.snapshot()] == [False]
+        engine.healthy = True
+        assert await static.probe("decode", address)
+        await server.stop(0)
+        assert not await static.probe("decode", address)   # unreachable: not refreshed
+        clock.now += 7.0
+        assert registry.serving(DECODE, "m") == []
+    finally:
+        await static.stop()
+        await server.stop(0)
+
+
+def test_static_worker_addresses_are_checked():
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        RouterConfig(static_workers=(("decode", "no-port"),))
+    with pytest.raises(ValueError, match="prefill/decode"):
+        RouterConfig(static_workers=(("edge", "127.0.0.1:1"),))
+
+
+async def test_placement_prefers_the_engine_with_fewer_requests_by_getloads():
+    engines = [FakeEngine(), FakeEngine()]
+    servers = [Server("127.0.0.1", 0, lambda s, e=e: vllm_engine_pb2_grpc.
+                      add_VllmEngineServicer_to_server(e, s), []) for e in engines]
+    for server in servers:
+        await server.start()
+    registry = WorkerRegistry(timeout=6.0)
+    static = [("decode", f"127.0.0.1:{s.port}") for s in servers]
+    probes = EngineProbes(registry, static, interval=2.0)
+    try:
+        engines[0].running, engines[0].waiting = 3, 2
+        engines[1].running = 1
+        await probes.round()
+        req = router_pb2.RouteRequest(request_id="r", model="m", prompt_tokens=5)
+        for _ in range(3):   # the busy one is never picked while its load stays higher
+            decision, decode, _ = place(registry, req, local_below_tokens=32)
+            decode.routed += 1
+            assert decision.decode.address == static[1][1]
+        engines[0].running, engines[0].waiting = 0, 0
+        await probes.round()
+        assert place(registry, req, local_below_tokens=32)[0].decode.address == static[0][1]
+    finally:
+        await probes.stop()
+        for server in servers:
+            await server.stop(0)

@@ -1,1 +1,0 @@
-"""Decode workers: pull a prompt's KV (or prefill locally) and stream tokens."""

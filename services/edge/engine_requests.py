@@ -1,0 +1,60 @@
+"""pdserve's sampling settings as vLLM engine-protocol requests (`vllm.grpc.engine`).
+
+The edge keeps one sampling form (pdserve's `SamplingParams`, which its
+`Inference` API carries); this is the one place it becomes the worker
+protocol's `GenerateRequest`: the prefill leg (`max_tokens=1`, keep the
+blocks for a decoder) and the decode leg (pull them, or prefill locally).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from smg_grpc_proto import vllm_engine_pb2
+
+from pdserve.v1 import common_pb2
+from transfer.connector import request_params_for_decode, request_params_for_prefill
+
+_INT32 = 2**31
+
+
+def _seed32(seed: int) -> int:
+    """The protocol's seed is int32; a wider seed folds into it (same seed, same draw)."""
+    return seed if -_INT32 <= seed < _INT32 else (seed + _INT32) % (2 * _INT32) - _INT32
+
+
+def engine_sampling(p: common_pb2.SamplingParams, *, max_tokens: int,
+                    stop: bool = True) -> vllm_engine_pb2.SamplingParams:
+    """Engine sampling params; `stop=False` leaves stop strings out (a prefill's one
+    token needs no detokenizing)."""
+    s = vllm_engine_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p or 1.0, top_k=max(p.top_k, 0),
+        max_tokens=max_tokens, stop=list(p.stop) if stop else [],
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        # vLLM's own defaults (the protocol's zero values are the opposite).
+        skip_special_tokens=True, spaces_between_special_tokens=True)
+    if p.HasField("seed"):
+        s.seed = _seed32(p.seed)
+    return s
+
+
+def prefill_request(request_id: str, prompt_ids: list[int],
+                    sampling: common_pb2.SamplingParams) -> vllm_engine_pb2.GenerateRequest:
+    """Compute the prompt's KV and one token; the engine keeps the blocks for a decoder."""
+    return vllm_engine_pb2.GenerateRequest(
+        request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt_ids),
+        sampling_params=engine_sampling(sampling, max_tokens=1, stop=False), stream=False,
+        kv_transfer_params_json=json.dumps(request_params_for_prefill()))
+
+
+def decode_request(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
+                   prefill_params: dict[str, Any] | None) -> vllm_engine_pb2.GenerateRequest:
+    """Stream the request's tokens; its KV is pulled when `prefill_params` names blocks."""
+    req = vllm_engine_pb2.GenerateRequest(
+        request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt_ids),
+        sampling_params=engine_sampling(sampling, max_tokens=sampling.max_tokens), stream=True)
+    if prefill_params:
+        req.kv_transfer_params_json = json.dumps(request_params_for_decode(prefill_params))
+    return req

@@ -1,1 +1,0 @@
-"""Prefill workers: compute a prompt's KV and first token, lease the blocks."""

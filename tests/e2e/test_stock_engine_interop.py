@@ -1,0 +1,92 @@
+"""pdserve's router and edge in front of stock vLLM engines.
+
+Two unmodified `python -m vllm.entrypoints.grpc_server` engines (vLLM's own
+NixlConnector, no pdserve code inside) are named on the router's command line;
+the router finds them by probing vLLM's engine protocol, and pdserve's edge
+runs prefill on one and decode on the other. The streamed text equals a single
+engine's, and the decode engine computed only the last prompt token (prefix
+caching is off on it, so every cached token came over NIXL).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+
+import pytest
+
+from cases import CASES, MAX_TOKENS
+from conftest import _free_port_pair, _wait_http
+from support import Proc, free_port, metric_sum, pdserve_cmd
+
+
+def _stock_engine(model_dir, role: str, core: int, side_channel: int) -> tuple[Proc, str]:
+    port = free_port()
+    kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    proc = Proc([sys.executable, "-m", "vllm.entrypoints.grpc_server", "--model", str(model_dir),
+                 "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+                 "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching",
+                 "--kv-transfer-config", json.dumps(kv)],
+                env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
+                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_NET_DEVICES": "lo"},
+                name=f"stock-{role}")
+    return proc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def stock_cluster(model_dir, reference):
+    """Stock prefill + decode engines, pdserve's router (static workers) and edge.
+    (After `reference`: three engines starting at once on two cores starve each other.)"""
+    side = _free_port_pair()
+    prefill, p_addr = _stock_engine(model_dir, "kv_producer", 0, side)
+    decode, d_addr = _stock_engine(model_dir, "kv_consumer", 1, side + 1)
+    procs = [prefill, decode]
+    try:
+        for proc in procs:
+            proc.wait_for("gRPC server started", timeout=400)
+        router_port, edge_port = free_port(), free_port()
+        procs.append(Proc(pdserve_cmd("router", "--port", str(router_port),
+                                      "--prefill-worker", p_addr, "--decode-worker", d_addr),
+                          name="router"))
+        procs.append(Proc(pdserve_cmd("edge", "--model", str(model_dir), "--port", str(edge_port),
+                                      "--grpc-port", str(free_port()),
+                                      "--router", f"127.0.0.1:{router_port}"), name="edge"))
+        url = f"http://127.0.0.1:{edge_port}"
+        _wait_http(f"{url}/health", procs[-1], 120)
+        yield url, procs
+    finally:
+        for proc in reversed(procs):
+            proc.stop(timeout=60)
+
+
+def test_router_lists_the_stock_engines_it_probed(stock_cluster):
+    url, _ = stock_cluster
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+        workers = json.loads(r.read())["workers"]
+    assert sorted(w["role"] for w in workers) == ["WORKER_ROLE_DECODE", "WORKER_ROLE_PREFILL"]
+    assert all(w["serving"] and w["worker_id"].split("@")[0] in ("prefill", "decode")
+               for w in workers)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_pdserve_edge_over_stock_engines_equals_single_engine(stock_cluster, model_dir,
+                                                              reference, case):
+    url, _ = stock_cluster
+    before = metric_sum(f"{url}/metrics", "pdserve_kv_transferred_tokens_total")
+    path = "chat/completions" if case.kind == "chat" else "completions"
+    req = urllib.request.Request(f"{url}/v1/{path}",
+                                 data=json.dumps(case.body(str(model_dir), False)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["x-pdserve-path"] == "disaggregated"
+        body = json.loads(r.read())
+    choice = body["choices"][0]
+    text = choice["message"]["content"] if case.kind == "chat" else choice["text"]
+    assert text == reference[case.name]["text"]
+    ref = reference[case.name]["usage"]
+    assert body["usage"]["prompt_tokens"] == ref["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == ref["completion_tokens"] == MAX_TOKENS
+    moved = metric_sum(f"{url}/metrics", "pdserve_kv_transferred_tokens_total") - before
+    prompt = body["usage"]["prompt_tokens"]
+    assert prompt - 1 <= moved <= prompt
