@@ -81,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--local-prefill-below", type=int, default=32)
     r.add_argument("--worker-timeout", type=float, default=6.0)
+    r.add_argument("--balance", type=float, default=1.25,
+                   help="bounded load: no decode worker takes more than this x the mean")
+    r.add_argument("--local-cached-fraction", type=float, default=0.8,
+                   help="prefill on the decode worker when it holds this much of the prompt")
+    r.add_argument("--prefill-saturated", type=int, default=8,
+                   help="a prefill worker with this many requests in flight takes no more")
     for role in ("prefill", "decode"):
         r.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {role} engine that does not register (any server of vLLM's "
@@ -157,7 +163,9 @@ def _config(a: argparse.Namespace):
     if a.command == "router":
         return RouterConfig(host=a.host, port=a.port,
                             local_prefill_below_tokens=a.local_prefill_below,
-                            worker_timeout_seconds=a.worker_timeout,
+                            worker_timeout_seconds=a.worker_timeout, balance=a.balance,
+                            local_cached_fraction=a.local_cached_fraction,
+                            prefill_saturated=a.prefill_saturated,
                             static_workers=tuple([("prefill", w) for w in a.prefill_worker]
                                                  + [("decode", w) for w in a.decode_worker]))
     if a.command in ("prefill", "decode"):

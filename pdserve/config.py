@@ -107,6 +107,9 @@ class RouterConfig:
     worker_timeout_seconds: float = 6.0  # no heartbeat for this long = not serving
     # Engines that do not register (stock `vllm ... --grpc`): ("prefill"|"decode", host:port).
     static_workers: tuple[tuple[str, str], ...] = ()
+    balance: float = 1.25                # no decode worker over this x the mean load
+    local_cached_fraction: float = 0.8   # decode worker holds this much of the prompt: local
+    prefill_saturated: int = 8           # requests in flight that make a prefill worker full
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)

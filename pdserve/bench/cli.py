@@ -3,6 +3,7 @@
     pdserve bench serve [vllm bench serve flags]   one endpoint, vLLM's own benchmark
     pdserve bench compare [--quick] [--json]        P/D vs colocated, side by side
     pdserve bench gateways [--json]                 pdserve's edge vs SMG on the same workers
+    pdserve bench router [--json]                   placement replayed on a chat trace (simulator)
 """
 from __future__ import annotations
 
@@ -164,6 +165,41 @@ def _gateways(argv: list[str]) -> int:
     return 0
 
 
+def _router(argv: list[str]) -> int:
+    from .router_sim import SimConfig, run_all
+
+    p = argparse.ArgumentParser(prog="pdserve bench router",
+                                description="The router's placement replayed on a synthetic "
+                                            "multi-turn chat trace, against baseline policies "
+                                            "(no engines; seconds).")
+    p.add_argument("--workers", type=int, default=4, help="decode workers")
+    p.add_argument("--sessions", type=int, default=2400)
+    p.add_argument("--balance", type=float, default=1.25, help="bounded-load factor c")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.workers < 2 or a.sessions < 10 or a.balance < 1:
+        print("pdserve bench router: needs --workers >= 2, --sessions >= 10, --balance >= 1",
+              file=sys.stderr)
+        return 2
+    result = run_all(SimConfig(workers=a.workers, sessions=a.sessions, seed=a.seed,
+                               balance=a.balance))
+    if a.json:
+        print(json.dumps(result))
+        return 0
+    keys = ["hit_rate", "max_over_mean_load", "moved_fraction_on_leave", "min_worker_share"]
+    print(f"{result['requests']} requests, {result['sessions']} sessions, "
+          f"{result['n_workers']} decode workers")
+    print(f"{'policy':<16}" + "".join(f"{k:>26}" for k in keys))
+    for name, r in result["policies"].items():
+        print(f"{name:<16}" + "".join(f"{r[k]:>26}" for k in keys))
+    print(f"decision p99: {result['decision_p99_us']} us at 1,000/s "
+          f"({result['decision_p99_us_back_to_back']} us back to back)")
+    for k, v in result["targets"].items():
+        print(f"  target {k}: {'met' if v else 'MISSED'}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Dispatch `pdserve bench <what> ...`."""
     if argv[:1] == ["serve"]:
@@ -172,5 +208,7 @@ def main(argv: list[str]) -> int:
         return _gateways(argv[1:])
     if argv[:1] == ["compare"]:
         return _compare(argv[1:])
+    if argv[:1] == ["router"]:
+        return _router(argv[1:])
     print(__doc__.strip(), file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2

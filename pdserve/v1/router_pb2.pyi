@@ -46,30 +46,34 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "model", "prompt_tokens", "exclude_workers")
+    __slots__ = ("request_id", "session_id", "model", "prompt_tokens", "exclude_workers", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     model: str
     prompt_tokens: int
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
-    __slots__ = ("decode", "prefill", "local_prefill", "reason")
+    __slots__ = ("decode", "prefill", "local_prefill", "reason", "cached_tokens")
     DECODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     decode: WorkerInfo
     prefill: WorkerInfo
     local_prefill: bool
     reason: str
-    def __init__(self, decode: _Optional[_Union[WorkerInfo, _Mapping]] = ..., prefill: _Optional[_Union[WorkerInfo, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, decode: _Optional[_Union[WorkerInfo, _Mapping]] = ..., prefill: _Optional[_Union[WorkerInfo, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

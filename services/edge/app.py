@@ -61,6 +61,16 @@ def _sampling(s: oai.SamplingOptions, max_tokens: int) -> common_pb2.SamplingPar
     return p
 
 
+def _session_key(request: web.Request, req: oai.CompletionRequest) -> str:
+    """What keeps a conversation on one decode worker: the `x-session-id` header, else
+    the body's `session_id`, else OpenAI's `user` (a user's turns share their history)."""
+    header = request.headers.get("x-session-id", "").strip()
+    if len(header) > 256:
+        raise oai.APIError(400, "x-session-id must be at most 256 characters",
+                           param="x-session-id")
+    return header or req.session_id or req.user or ""
+
+
 async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:
     cfg, orch, metrics = request.app[CONFIG], request.app[ORCH], request.app[METRICS]
     started = time.perf_counter()
@@ -71,14 +81,16 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
         stream = await orch.start(Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
                                              sampling=_sampling(req.sampling, max_tokens),
-                                             session_id=req.session_id or ""))
+                                             session_id=_session_key(request, req)))
     except oai.APIError as e:
         metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
         raise
     if stream.stats.get("prefill_fallback"):
         metrics.prefill_fallbacks.labels(cfg.name).inc()
     metrics.prompt_tokens.labels(cfg.name).inc(len(ids))
-    headers = {"x-pdserve-path": stream.path, "x-request-id": rid}
+    metrics.placements.labels(cfg.name, stream.stats["placement"]).inc()
+    headers = {"x-pdserve-path": stream.path, "x-pdserve-placement": stream.stats["placement"],
+               "x-pdserve-worker": stream.decode_worker, "x-request-id": rid}
     metrics.running.labels(cfg.name).inc()
     status = "200"
     try:

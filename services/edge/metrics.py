@@ -26,6 +26,9 @@ class EdgeMetrics:
         self.kv_external_tokens = Counter(
             "pdserve_kv_transferred_tokens", "Prompt tokens whose KV a decode worker pulled "
             "from a prefill worker instead of computing", ["model_name"], registry=r)
+        self.placements = Counter(
+            "pdserve_placements", "Requests by the router's placement reason (remote, short, "
+            "cached, no-prefill, prefill-saturated)", ["model_name", "reason"], registry=r)
         self.prefill_fallbacks = Counter(
             "pdserve_prefill_fallbacks", "Requests prefilled locally because remote prefill "
             "failed", ["model_name"], registry=r)

@@ -157,12 +157,15 @@ class Orchestrator:
         try:
             decision = await self.router.Route(router_pb2.RouteRequest(
                 request_id=gen.request_id, session_id=gen.session_id, model=gen.model,
-                prompt_tokens=len(gen.prompt_token_ids)), timeout=5.0)
+                prompt_tokens=len(gen.prompt_token_ids), prompt_token_ids=gen.prompt_token_ids),
+                timeout=5.0)
         except grpc.aio.AioRpcError as e:
             raise _api_error(e, "router") from e
-        params, stats = None, {}
+        params, stats = None, {"placement": decision.reason.split(":")[0],
+                               "cached_tokens": decision.cached_tokens}
         if not decision.local_prefill:
-            params, stats = await self._prefill(gen, decision.prefill)
+            params, leg = await self._prefill(gen, decision.prefill)
+            stats.update(leg)
         path = "disaggregated" if params is not None else "local"
         log.info("request %s: path=%s decode=%s prefill=%s (%s)", gen.request_id, path,
                  decision.decode.worker_id, decision.prefill.worker_id or "-", decision.reason)

@@ -1,17 +1,37 @@
 """Where one request runs: a decode worker, and a prefill worker or local prefill.
 
-First policy: session affinity by rendezvous hashing (a session keeps its
-decode worker while that worker lives; losing one moves only its sessions),
-least-loaded otherwise (the engine's running + waiting requests as last read
-with GetLoads, then requests placed here); remote prefill unless the prompt is
-too short to be worth a transfer or no prefill worker serves.
+The policy, in order:
+1. **Bounded load** (consistent hashing with bounded loads, Mirrokni et al.): a
+   decode worker is a candidate while `load + 1 <= ceil(balance * (total + 1) / n)`,
+   `load` being its engine's running + waiting requests as last reported plus
+   what was placed there since. No worker runs more than `balance` x the mean.
+2. **Prefix, then session.** Among candidates, the worker holding the longest
+   prefix of the prompt (from the engines' KV events, in whole blocks) wins.
+   With a session key the remaining ties go by rendezvous hashing of the key,
+   so a session's first turn has a stable home and later turns follow their KV;
+   losing a worker moves only the sessions it held. Without a session the
+   cost is `uncached prompt tokens + load_tokens * load`, ties by placements.
+3. **Conditional disaggregation.** Remote prefill unless the decode worker
+   already holds most of the prompt (`local_cached_fraction`), the uncached
+   part is short (`local_below_tokens`), no prefill worker serves, or every
+   prefill worker is saturated (`prefill_saturated` requests in flight). The
+   prefill worker is the least-cost one by the same formula. The reason starts
+   with one word the edge counts by: short, cached, no-prefill,
+   prefill-saturated, remote.
+
+Every input is either the request or state every router replica receives
+alike (worker reports, KV events); only the count of requests placed since the
+last report is a replica's own.
 """
 from __future__ import annotations
 
 import hashlib
+import math
+from dataclasses import dataclass
 
 from pdserve.v1 import common_pb2, router_pb2
 
+from .prefix_index import PrefixIndex, block_keys
 from .registry import WorkerEntry, WorkerRegistry
 
 
@@ -19,37 +39,86 @@ class NoWorkerError(Exception):
     """No decode worker can take the request."""
 
 
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The knobs of placement (defaults: see `bench/README.md`, router section)."""
+
+    balance: float = 1.25               # CHWBL's c: max load over mean load
+    local_below_tokens: int = 32        # fewer uncached tokens than this: prefill locally
+    local_cached_fraction: float = 0.8  # decode worker holds this much of the prompt: local
+    prefill_saturated: int = 8          # a prefill worker with this many requests is full
+    load_tokens: int = 256              # one request in flight costs this many tokens to prefill
+
+
 def _score(session_id: str, worker_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{session_id}/{worker_id}".encode(),
                                           digest_size=8).digest(), "big")
 
 
-def _pick(candidates: list[WorkerEntry], session_id: str) -> WorkerEntry:
-    if session_id:
-        return max(candidates, key=lambda e: _score(session_id, e.info.worker_id))
-    return min(candidates, key=lambda e: (e.load, e.routed, e.info.worker_id))
+def load(e: WorkerEntry) -> int:
+    """A worker's requests in flight: last report plus what was placed since."""
+    return e.load + e.pending
 
 
-def place(registry: WorkerRegistry, req: router_pb2.RouteRequest,
-          local_below_tokens: int) -> tuple[router_pb2.RouteDecision, WorkerEntry, WorkerEntry | None]:
+def bounded(candidates: list[WorkerEntry], balance: float) -> list[WorkerEntry]:
+    """The workers that may take one more request without exceeding `balance` x mean."""
+    cap = math.ceil(balance * (sum(load(e) for e in candidates) + 1) / len(candidates))
+    return [e for e in candidates if load(e) + 1 <= cap] or candidates
+
+
+def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy,
+          index: PrefixIndex | None = None
+          ) -> tuple[router_pb2.RouteDecision, WorkerEntry, WorkerEntry | None]:
     """Decide placement; raises NoWorkerError when no decode worker serves."""
     exclude = set(req.exclude_workers)
     decoders = registry.serving(common_pb2.WORKER_ROLE_DECODE, req.model, exclude)
     if not decoders:
         raise NoWorkerError(f"no decode worker serves model {req.model!r}")
-    decode = _pick(decoders, req.session_id)
-    prefill = None
-    if req.prompt_tokens < local_below_tokens:
-        reason = f"local: prompt {req.prompt_tokens} tokens < {local_below_tokens}"
+    ids = req.prompt_token_ids
+    prompt = len(ids) or req.prompt_tokens
+    keys = block_keys(ids, index.block_size) if index and ids else []
+    block = index.block_size if index else 0
+
+    def matched(entries: list[WorkerEntry]) -> dict[str, int]:
+        if not keys:
+            return {e.info.worker_id: 0 for e in entries}
+        return index.matched_blocks(keys, [e.info.worker_id for e in entries])
+
+    under = bounded(decoders, policy.balance)
+    held = matched(under)
+    if req.session_id:
+        decode = max(under, key=lambda e: (held[e.info.worker_id],
+                                           _score(req.session_id, e.info.worker_id)))
     else:
-        prefillers = registry.serving(common_pb2.WORKER_ROLE_PREFILL, req.model, exclude)
-        if prefillers:
-            prefill = _pick(prefillers, "")
-            reason = "disaggregated"
-        else:
-            reason = "local: no prefill worker serves"
+        decode = min(under, key=lambda e: ((len(keys) - held[e.info.worker_id]) * block
+                                           + policy.load_tokens * load(e), e.routed,
+                                           e.info.worker_id))
+    cached = min(prompt, held[decode.info.worker_id] * block)
+    prefill, reason = _prefill(registry, req, policy, prompt, cached, exclude, matched, block,
+                               len(keys))
     decision = router_pb2.RouteDecision(decode=decode.info, local_prefill=prefill is None,
-                                        reason=reason)
+                                        reason=reason, cached_tokens=cached)
     if prefill is not None:
         decision.prefill.CopyFrom(prefill.info)
     return decision, decode, prefill
+
+
+def _prefill(registry, req, policy: Policy, prompt: int, cached: int, exclude, matched,
+             block: int, n_keys: int) -> tuple[WorkerEntry | None, str]:
+    """The prefill worker, or None for local prefill; and why."""
+    uncached = prompt - cached
+    if uncached < policy.local_below_tokens:
+        return None, f"short: {uncached} uncached tokens < {policy.local_below_tokens}"
+    if cached >= policy.local_cached_fraction * prompt:
+        return None, f"cached: decode worker holds {cached} of {prompt} tokens"
+    prefillers = registry.serving(common_pb2.WORKER_ROLE_PREFILL, req.model, exclude)
+    if not prefillers:
+        return None, "no-prefill: no prefill worker serves"
+    free = [e for e in prefillers if load(e) < policy.prefill_saturated]
+    if not free:
+        return None, (f"prefill-saturated: every prefill worker has >= "
+                      f"{policy.prefill_saturated} requests")
+    held = matched(free)
+    best = min(free, key=lambda e: ((n_keys - held[e.info.worker_id]) * block
+                                    + policy.load_tokens * load(e), e.routed, e.info.worker_id))
+    return best, f"remote: {uncached} uncached tokens"

@@ -1,32 +1,70 @@
 """Which worker holds which prompt prefix, from the engines' own KV-cache events.
 
 A prompt is cut into full blocks of the engines' block size; block i's key
-chains the keys before it with its token ids, so equal keys mean equal
-prefixes (the same content hashing vLLM's prefix cache does, computed here from
-the token ids so that it needs no vLLM code and every router replica computes
-the same keys). Workers publish `BlockStored` (with each block's token ids and
+chains the key before it with a hash of its token ids, so equal keys mean
+equal prefixes (what vLLM's prefix cache does, computed here from the token ids
+so that it needs no vLLM code and every router replica computes the same keys).
+The hash is fast and the same in every process (no per-process salt), not
+cryptographic: a crafted collision can only misplace a request, never serve
+wrong KV, because the engine matches its own hashes. Workers publish `BlockStored` (with each block's token ids and
 its parent's engine hash) and `BlockRemoved` over `SubscribeKvEvents`; the index
 maps each engine hash to the router's key, so a removal finds its block.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Iterable, Sequence
 
+import numpy as np
+
 ROOT = 0
+_MASK = (1 << 64) - 1
+_MULT = 0x9E3779B97F4A7C15                 # odd: invertible mod 2^64
+_MAX_BLOCKS = 1 << 14
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
-    """Chained keys of the full blocks of `token_ids` (a partial last block has none).
+@functools.lru_cache(maxsize=8)
+def _weights(block_size: int) -> np.ndarray:
+    return np.array([pow(_MULT, j + 1, 1 << 64) for j in range(block_size)], dtype=np.uint64)
 
-    Python's tuple-of-int hash is not salted per process, so every router replica
-    gets the same keys from the same tokens.
+
+@functools.lru_cache(maxsize=1)
+def _powers() -> tuple[np.ndarray, np.ndarray]:
+    """_MULT^i and _MULT^-i mod 2^64, for i < _MAX_BLOCKS."""
+    inv = pow(_MULT, -1, 1 << 64)
+    up, down, a, b = [], [], 1, 1
+    for _ in range(_MAX_BLOCKS):
+        up.append(a)
+        down.append(b)
+        a, b = a * _MULT & _MASK, b * inv & _MASK
+    return np.array(up, dtype=np.uint64), np.array(down, dtype=np.uint64)
+
+
+def chain(parent: int, content: int) -> int:
+    """The key of a block whose parent block has key `parent`."""
+    return (parent * _MULT + content) & _MASK
+
+
+def content_hash(tokens: Sequence[int]) -> int:
+    """One block's content hash: a polynomial in its token ids mod 2^64."""
+    return sum(t * w for t, w in zip(tokens, _weights(len(tokens)).tolist())) & _MASK
+
+
+def block_keys(token_ids, block_size: int) -> list[int]:
+    """Keys of the full blocks of `token_ids` (a partial last block has none):
+    key_i = chain(key_{i-1}, content_hash(block_i)), key_-1 = ROOT.
+
+    Computed for all blocks at once: key_i = sum_j c_j M^(i-j) = M^i * cumsum(c_j M^-j),
+    all mod 2^64 (~15 us for 1,500 tokens; the router hashes every prompt it places).
     """
-    keys = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, *token_ids[start:start + block_size]))
-        keys.append(parent)
-    return keys
+    ids = np.array(token_ids, dtype=np.uint64)
+    n = min(len(ids) // block_size, _MAX_BLOCKS)
+    if n == 0:
+        return []
+    contents = (ids[:n * block_size].reshape(n, block_size) * _weights(block_size)).sum(axis=1)
+    up, down = _powers()
+    return (np.cumsum(contents * down[:n], dtype=np.uint64) * up[:n]).tolist()
 
 
 class PrefixIndex:
@@ -47,7 +85,7 @@ class PrefixIndex:
         for engine_hash, tokens in blocks:
             if len(tokens) != self.block_size:
                 return
-            parent = hash((parent, *tokens))
+            parent = chain(parent, content_hash(tokens))
             keys[engine_hash] = parent
             self._holders[parent].add(worker)
 
@@ -71,13 +109,20 @@ class PrefixIndex:
     def matched_blocks(self, keys: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
         """For each worker, how many leading blocks of `keys` it holds."""
         out = dict.fromkeys(workers, 0)
-        alive = set(out)
-        for depth, key in enumerate(keys):
-            alive &= self._holders.get(key, set())
-            if not alive:
+        alive, depth = set(out), 0
+        for key in keys:
+            holders = self._holders.get(key)
+            if holders is None:
                 break
-            for w in alive:
-                out[w] = depth + 1
+            if not alive <= holders:            # some workers' prefixes end here
+                for w in alive - holders:
+                    out[w] = depth
+                alive &= holders
+                if not alive:
+                    break
+            depth += 1
+        for w in alive:
+            out[w] = depth
         return out
 
     def blocks_held(self, worker: str) -> int:

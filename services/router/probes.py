@@ -96,6 +96,7 @@ class EngineProbes:
         except grpc.aio.AioRpcError:
             return
         entry.load = sum(s.num_running_reqs + s.num_waiting_reqs for s in resp.loads)
+        entry.pending = 0
 
     async def stop(self) -> None:
         """Stop probing and close the channels."""

@@ -19,7 +19,8 @@ class WorkerEntry:
     info: router_pb2.WorkerInfo
     last_seen: float
     routed: int = 0                  # requests placed here (spreads load round-robin)
-    load: int = 0                    # running + waiting on its engine, last read (GetLoads)
+    load: int = 0                    # running + waiting on its engine, as last reported
+    pending: int = 0                 # requests placed here since that report
 
 
 class WorkerRegistry:

@@ -15,7 +15,8 @@ from pdserve.lifecycle import until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
-from .placement import NoWorkerError, place
+from .placement import NoWorkerError, Policy, place
+from .prefix_index import PrefixIndex
 from .registry import ROLE_NAMES, WorkerRegistry
 from .probes import EngineProbes
 
@@ -28,6 +29,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.registry = WorkerRegistry(cfg.worker_timeout_seconds)
+        self.policy = Policy(balance=cfg.balance,
+                             local_below_tokens=cfg.local_prefill_below_tokens,
+                             local_cached_fraction=cfg.local_cached_fraction,
+                             prefill_saturated=cfg.prefill_saturated)
+        self.index: PrefixIndex | None = None     # once the engines' block size is known
 
     async def Register(self, request, context):
         w = request.worker
@@ -47,13 +53,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def Route(self, request, context):
         try:
-            decision, decode, prefill = place(self.registry, request,
-                                              self.cfg.local_prefill_below_tokens)
+            decision, decode, prefill = place(self.registry, request, self.policy, self.index)
         except NoWorkerError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        decode.routed += 1
-        if prefill is not None:
-            prefill.routed += 1
+        for entry in (decode, prefill):
+            if entry is not None:
+                entry.routed += 1
+                entry.pending += 1
         log.info("route %s: decode=%s prefill=%s (%s)", request.request_id,
                  decision.decode.worker_id, decision.prefill.worker_id or "-", decision.reason)
         return decision

@@ -8,7 +8,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from pdserve.config import RouterConfig
 from pdserve.rpc import Server, channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.placement import place
+from services.router.placement import Policy, place
 from services.router.registry import WorkerRegistry
 from services.router.server import RouterService
 from services.router.probes import EngineProbes
@@ -98,10 +98,10 @@ def test_sessions_stick_to_one_decode_worker_and_move_only_when_it_goes():
         reg.register(_worker(f"d{i}", DECODE))
     req = lambda s, ex=(): router_pb2.RouteRequest(session_id=s, model="m", prompt_tokens=5,
                                                    exclude_workers=list(ex))
-    first = {s: place(reg, req(s), 32)[0].decode.worker_id for s in map(str, range(200))}
-    again = {s: place(reg, req(s), 32)[0].decode.worker_id for s in map(str, range(200))}
+    first = {s: place(reg, req(s), Policy())[0].decode.worker_id for s in map(str, range(200))}
+    again = {s: place(reg, req(s), Policy())[0].decode.worker_id for s in map(str, range(200))}
     assert first == again and len(set(first.values())) == 4
-    without = {s: place(reg, req(s, ["d0"]), 32)[0].decode.worker_id for s in first}
+    without = {s: place(reg, req(s, ["d0"]), Policy())[0].decode.worker_id for s in first}
     moved = [s for s in first if first[s] != without[s]]
     assert moved and all(first[s] == "d0" for s in moved)
 
@@ -112,7 +112,7 @@ def test_requests_without_session_spread_over_workers():
         reg.register(_worker(f"d{i}", DECODE))
     seen = []
     for _ in range(6):
-        _, decode, _ = place(reg, router_pb2.RouteRequest(model="m", prompt_tokens=5), 32)
+        _, decode, _ = place(reg, router_pb2.RouteRequest(model="m", prompt_tokens=5), Policy())
         decode.routed += 1
         seen.append(decode.info.worker_id)
     assert sorted(seen) == ["d0", "d0", "d1", "d1", "d2", "d2"]
@@ -192,12 +192,12 @@ async def test_placement_prefers_the_engine_with_fewer_requests_by_getloads():
         await probes.round()
         req = router_pb2.RouteRequest(request_id="r", model="m", prompt_tokens=5)
         for _ in range(3):   # the busy one is never picked while its load stays higher
-            decision, decode, _ = place(registry, req, local_below_tokens=32)
+            decision, decode, _ = place(registry, req, Policy())
             decode.routed += 1
             assert decision.decode.address == static[1][1]
         engines[0].running, engines[0].waiting = 0, 0
         await probes.round()
-        assert place(registry, req, local_below_tokens=32)[0].decode.address == static[0][1]
+        assert place(registry, req, Policy())[0].decode.address == static[0][1]
     finally:
         await probes.stop()
         for server in servers:

@@ -1,0 +1,334 @@
+"""`pdserve bench router`: the real placement code replayed on a synthetic chat trace.
+
+No engines: each simulated decode worker keeps an LRU cache of KV blocks
+(capacity in blocks) and serves a request for `uncached prompt tokens x
+prefill time + output tokens x decode time`, concurrently with the others it
+holds (continuous batching). The trace has sessions of several turns (each turn's
+prompt is the whole history), a few shared system prompts with skewed
+popularity, bursts of arrivals, and twice a worker leaving (at 25% and 60% of
+the run) and a fresh one joining 10% later.
+
+Policies: `pdserve` is `services.router.placement.place` itself, fed what the
+router gets live: load reports every `report_s` and the workers' stored/evicted
+block events. The baselines: `round_robin`, `least_loaded` (true current load),
+`consistent_hash` (rendezvous on the session, no load bound) and `oracle`
+(true cache contents and loads: the longest actual prefix among workers within
+the same load bound).
+
+Figures per policy: `hit_rate` (prompt tokens served from cache / all prompt
+tokens), `max_over_mean_load` (the worst 10 s window's busiest worker over the
+mean, in request-seconds, among windows where the mean worker was busy with >= 1
+request and no worker left or joined),
+`moved_fraction_on_leave` (sessions active when a worker left whose next turn
+went to another worker than their previous one, over all such sessions),
+`min_worker_share` (over those same windows, the least-used worker's requests
+per window over the mean worker's).
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import heapq
+import itertools
+import random
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+from pdserve.v1 import common_pb2, router_pb2
+from services.router.placement import Policy, place
+from services.router.prefix_index import PrefixIndex, block_keys
+from services.router.registry import WorkerRegistry
+
+DECODE = common_pb2.WORKER_ROLE_DECODE
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    workers: int = 4
+    sessions: int = 2400
+    seed: int = 0
+    block_size: int = 16
+    cache_blocks: int = 4000             # per worker
+    system_prompts: int = 4
+    system_tokens: int = 512
+    session_rate: float = 8.0            # new sessions per second (doubled in bursts)
+    prefill_s_per_token: float = 0.0002
+    decode_s_per_token: float = 0.02
+    report_s: float = 0.5                # how often workers report load to the router
+    balance: float = 1.25
+
+
+@dataclass(slots=True)
+class Turn:
+    at: float
+    session: int
+    prompt: list[int]
+    out: list[int]
+
+
+def make_trace(cfg: SimConfig) -> list[Turn]:
+    """Sessions of 2-6 turns; turn k's prompt = system + all earlier turns + new message."""
+    rng = random.Random(cfg.seed)
+    systems = [[rng.randrange(10, 30000) for _ in range(cfg.system_tokens)]
+               for _ in range(cfg.system_prompts)]
+    popularity = [1 / (i + 1) for i in range(cfg.system_prompts)]      # Zipf: one dominates
+    turns, t = [], 0.0
+    for s in range(cfg.sessions):
+        burst = int(t / 20) % 3 == 2                                      # every third 20 s
+        t += rng.expovariate(cfg.session_rate * (2 if burst else 1))
+        history = list(rng.choices(systems, popularity)[0])
+        at = t
+        for _ in range(rng.randint(2, 6)):
+            history += [rng.randrange(10, 30000) for _ in range(rng.randint(20, 200))]
+            out = [rng.randrange(10, 30000) for _ in range(rng.randint(20, 150))]
+            turns.append(Turn(at, s, list(history), out))
+            history += out
+            at += len(out) * cfg.decode_s_per_token + rng.expovariate(1 / 3.0)
+    return sorted(turns, key=lambda x: x.at)
+
+
+@dataclass
+class SimWorker:
+    """One decode engine: an LRU block cache and the requests it is running."""
+
+    name: str
+    capacity: int
+    cache: OrderedDict = field(default_factory=OrderedDict)   # key -> engine hash
+    ends: list = field(default_factory=list)                  # heap of finish times
+
+    def load(self, now: float) -> int:
+        while self.ends and self.ends[0] <= now:
+            heapq.heappop(self.ends)
+        return len(self.ends)
+
+    def hit_blocks(self, keys: list[int]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.cache:
+                break
+            n += 1
+        return n
+
+    def serve(self, now: float, keys: list[int], duration: float, events) -> None:
+        """Run a request whose blocks (prompt + output) are `keys`; report KV events."""
+        stored, parent = [], None
+        for k in keys:
+            if k in self.cache:
+                self.cache.move_to_end(k)
+                parent = self.cache[k]
+                continue
+            self.cache[k] = k                                     # the engine's hash: any id
+            stored.append(k)
+        evicted = []
+        while len(self.cache) > self.capacity:
+            evicted.append(self.cache.popitem(last=False)[0])
+        events(self.name, parent, stored, evicted)
+        heapq.heappush(self.ends, now + duration)
+
+
+def _score(session: int, worker: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session}/{worker}".encode(),
+                                          digest_size=8).digest(), "big")
+
+
+class Pdserve:
+    """The router's own placement, over a registry and index kept as the router keeps them."""
+
+    def __init__(self, cfg: SimConfig):
+        self.cfg = cfg
+        self.registry = WorkerRegistry(timeout=1e12, clock=lambda: 0.0)
+        self.index = PrefixIndex(cfg.block_size)
+        self.policy = Policy(balance=cfg.balance, local_below_tokens=0)
+        self.next_report = 0.0
+        self.tokens: dict[int, list[int]] = {}                   # key -> its block's tokens
+        self.decision_s: list[float] = []
+
+    def join(self, w: SimWorker) -> None:
+        self.registry.register(router_pb2.WorkerInfo(worker_id=w.name, role=DECODE,
+                                                     address=w.name, model="m", serving=True))
+
+    def leave(self, w: SimWorker) -> None:
+        self.registry.deregister(w.name)
+        self.index.forget(w.name)
+
+    def events(self, worker: str, parent, stored: list[int], evicted: list[int]) -> None:
+        if stored:
+            self.index.stored(worker, parent, [(k, self.tokens[k]) for k in stored])
+        self.index.removed(worker, evicted)
+
+    def choose(self, turn: Turn, workers: dict[str, SimWorker], now: float) -> str:
+        if now >= self.next_report:                              # workers' periodic reports
+            for e in self.registry.serving(DECODE):
+                e.load, e.pending = workers[e.info.worker_id].load(now), 0
+            self.next_report = now + self.cfg.report_s
+        req = router_pb2.RouteRequest(model="m", session_id=str(turn.session),
+                                      prompt_token_ids=turn.prompt)
+        started = time.perf_counter()
+        _, decode, _ = place(self.registry, req, self.policy, self.index)
+        self.decision_s.append(time.perf_counter() - started)
+        decode.pending += 1
+        decode.routed += 1
+        return decode.info.worker_id
+
+
+def _baselines(cfg: SimConfig):
+    rr = itertools.count()
+
+    def round_robin(turn, keys, workers, now):
+        names = sorted(workers)
+        return names[next(rr) % len(names)]
+
+    def least_loaded(turn, keys, workers, now):
+        return min(sorted(workers), key=lambda n: workers[n].load(now))
+
+    def consistent_hash(turn, keys, workers, now):
+        return max(workers, key=lambda n: _score(turn.session, n))
+
+    def oracle(turn, keys, workers, now):
+        loads = {n: w.load(now) for n, w in workers.items()}
+        cap = -(-cfg.balance * (sum(loads.values()) + 1) // len(loads))
+        under = [n for n in sorted(workers) if loads[n] + 1 <= cap] or sorted(workers)
+        return max(under, key=lambda n: (workers[n].hit_blocks(keys), -loads[n]))
+
+    return {"round_robin": round_robin, "least_loaded": least_loaded,
+            "consistent_hash": consistent_hash, "oracle": oracle}
+
+
+def _schedule(cfg: SimConfig, end: float) -> list[tuple[float, str, str]]:
+    """(time, "leave"|"join", worker): two workers leave, a fresh one joins after each."""
+    out = []
+    for i, (leave, join) in enumerate(((0.25, 0.35), (0.6, 0.7))):
+        out += [(leave * end, "leave", f"w{i % cfg.workers}"), (join * end, "join", f"j{i}")]
+    return out
+
+
+def simulate(cfg: SimConfig, trace: list[Turn], policy: str) -> tuple[dict, Pdserve | None]:
+    """Replay `trace` under `policy`; the figures of the module docstring."""
+    workers = {f"w{i}": SimWorker(f"w{i}", cfg.cache_blocks) for i in range(cfg.workers)}
+    router = Pdserve(cfg) if policy == "pdserve" else None
+    baseline = None if router else _baselines(cfg)[policy]
+    events = _schedule(cfg, trace[-1].at)
+    for w in workers.values():
+        if router:
+            router.join(w)
+    hit = total = moved = crossed = 0
+    last: dict[int, str] = {}                   # session -> worker of its latest turn
+    crossing: dict[int, str] = {}               # sessions active when a worker left
+    share: dict[tuple[int, str], int] = defaultdict(int)     # (window, worker) -> requests
+    busy: dict[int, dict[str, float]] = defaultdict(dict)        # 10 s window -> worker -> s
+    for turn in trace:
+        now = turn.at
+        while events and events[0][0] <= now:
+            at, kind, name = events.pop(0)
+            if kind == "leave":
+                crossing.update({s: w for s, w in last.items() if s not in crossing})
+                if router:
+                    router.leave(workers[name])
+                del workers[name]
+            else:
+                workers[name] = SimWorker(name, cfg.cache_blocks)
+                if router:
+                    router.join(workers[name])
+            for window in (int(at // 10), int(at // 10) + 1):     # a leaver's last requests
+                busy[window]["changed"] = 0.0
+        tokens = turn.prompt + turn.out
+        keys = block_keys(turn.prompt, cfg.block_size)
+        all_keys = block_keys(tokens, cfg.block_size)
+        if router:
+            for i, k in enumerate(all_keys):
+                router.tokens[k] = tokens[i * cfg.block_size:(i + 1) * cfg.block_size]
+            name = router.choose(turn, workers, now)
+        else:
+            name = baseline(turn, keys, workers, now)
+        w = workers[name]
+        cached = min(len(turn.prompt), w.hit_blocks(keys) * cfg.block_size)
+        hit, total = hit + cached, total + len(turn.prompt)
+        duration = ((len(turn.prompt) - cached) * cfg.prefill_s_per_token
+                    + len(turn.out) * cfg.decode_s_per_token)
+        w.serve(now, all_keys, duration, router.events if router else lambda *a: None)
+        share[(int(now // 10), name)] += 1
+        for window in range(int(now // 10), int((now + duration) // 10) + 1):
+            lo, hi = max(now, window * 10), min(now + duration, (window + 1) * 10)
+            seconds = busy[window]
+            for n in workers:
+                seconds.setdefault(n, 0.0)
+            seconds[name] += max(0.0, hi - lo)
+        if turn.session in crossing:            # its first turn after a worker left
+            crossed += 1
+            moved += name != crossing.pop(turn.session)
+        last[turn.session] = name
+    return {"hit_rate": round(hit / total, 4),
+            "max_over_mean_load": round(_max_over_mean(busy), 3),
+            "moved_fraction_on_leave": round(moved / max(1, crossed), 4),
+            "min_worker_share": round(_min_share(share, busy), 3)}, router
+
+
+def _max_over_mean(busy: dict[int, dict[str, float]]) -> float:
+    """The worst window's busiest worker over the mean (windows with mean >= 1 request
+    and no worker leaving or joining)."""
+    worst = 1.0
+    for seconds in busy.values():
+        if "changed" in seconds:
+            continue
+        loads = [v / 10 for v in seconds.values()]
+        mean = sum(loads) / len(loads)
+        if mean >= 1:
+            worst = max(worst, max(loads) / mean)
+    return worst
+
+
+def _min_share(share: dict, busy: dict[int, dict[str, float]]) -> float:
+    """Over busy windows where no worker left or joined: each worker's requests over
+    the window's mean, averaged per worker; the least of those."""
+    relative: dict[str, list[float]] = defaultdict(list)
+    for window, seconds in busy.items():
+        if "changed" not in seconds and sum(seconds.values()) / len(seconds) >= 10:
+            mean = sum(share[(window, n)] for n in seconds) / len(seconds)
+            for name in seconds:
+                relative[name].append(share[(window, name)] / mean)
+    return min(sum(r) / len(r) for r in relative.values())
+
+
+def decision_latency_us(trace: list[Turn], router: Pdserve, rate: float | None = 1000,
+                        n: int = 2000) -> float:
+    """p99 of one `place()` call (hashing the prompt included) at `rate` decisions/s
+    (None: back to back), on the router state the simulation left."""
+    router.tokens.clear()                  # the simulation's bookkeeping, not router state
+    gc.collect()
+    samples = []
+    start = time.perf_counter()
+    for i, turn in enumerate(itertools.islice(itertools.cycle(trace), n)):
+        pause = start + i / rate - time.perf_counter() if rate else 0
+        if pause > 0:
+            time.sleep(pause)
+        req = router_pb2.RouteRequest(model="m", session_id=str(turn.session),
+                                      prompt_token_ids=turn.prompt)
+        t0 = time.perf_counter()
+        place(router.registry, req, router.policy, router.index)
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return 1e6 * samples[int(0.99 * (len(samples) - 1))]
+
+
+POLICIES = ("pdserve", "round_robin", "least_loaded", "consistent_hash", "oracle")
+
+
+def run_all(cfg: SimConfig) -> dict:
+    """Every policy on one trace; the JSON `pdserve bench router` prints."""
+    trace = make_trace(cfg)
+    out, router = {}, None
+    for name in POLICIES:
+        out[name], r = simulate(cfg, trace, name)
+        router = router or r
+    p, o = out["pdserve"], out["oracle"]
+    p99 = decision_latency_us(trace, router)
+    return {"n_workers": cfg.workers, "requests": len(trace), "sessions": cfg.sessions,
+            "decision_p99_us": round(p99, 1),
+            "decision_p99_us_back_to_back": round(decision_latency_us(trace, router, None), 1),
+            "policies": out,
+            "targets": {"hit_rate_ge_95pct_oracle": p["hit_rate"] >= 0.95 * o["hit_rate"],
+                        "max_over_mean_le_1.25": p["max_over_mean_load"] <= 1.25,
+                        "moved_le_1.1_over_n": p["moved_fraction_on_leave"]
+                        <= 1.1 / cfg.workers,
+                        "decision_p99_le_100us": p99 <= 100}}

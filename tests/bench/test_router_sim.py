@@ -1,0 +1,29 @@
+"""`pdserve bench router`: the simulator runs the real placement and tells policies apart."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from support import ROOT
+
+
+def test_bench_router_json_compares_policies_on_one_trace():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "router", "--json",
+                          "--sessions", "400", "--workers", "4"], cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    result = json.loads(out)
+    assert result["n_workers"] == 4 and result["decision_p99_us"] > 0
+    p = result["policies"]
+    assert set(p) == {"pdserve", "round_robin", "least_loaded", "consistent_hash", "oracle"}
+    for figures in p.values():
+        assert set(figures) >= {"hit_rate", "max_over_mean_load", "moved_fraction_on_leave",
+                                "min_worker_share"}
+    # Prefix-aware placement keeps most of the cache hits an oracle gets; load-only
+    # policies lose them, and move most sessions when a worker leaves.
+    assert p["pdserve"]["hit_rate"] >= 0.9 * p["oracle"]["hit_rate"]
+    assert p["round_robin"]["hit_rate"] < 0.85 * p["pdserve"]["hit_rate"]
+    assert p["pdserve"]["moved_fraction_on_leave"] < 0.6 * p["round_robin"][
+        "moved_fraction_on_leave"]
+    # The load bound holds where plain consistent hashing piles up.
+    assert p["pdserve"]["max_over_mean_load"] <= 1.35

@@ -1,0 +1,107 @@
+"""Placement with a prefix index and bounded loads, on a registry without gRPC."""
+from __future__ import annotations
+
+import random
+
+from pdserve.v1 import common_pb2, router_pb2
+from services.router.placement import Policy, load, place
+from services.router.prefix_index import ROOT, PrefixIndex, block_keys, chain, content_hash
+from services.router.registry import WorkerRegistry
+
+PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
+BLOCK = 4
+
+
+def _registry(decoders: int, prefillers: int = 1) -> WorkerRegistry:
+    reg = WorkerRegistry(timeout=1e9)
+    for role, n, name in ((DECODE, decoders, "d"), (PREFILL, prefillers, "p")):
+        for i in range(n):
+            reg.register(router_pb2.WorkerInfo(worker_id=f"{name}{i}", role=role, model="m",
+                                               address=f"127.0.0.1:{1000 + i}", serving=True))
+    return reg
+
+
+def _store(index: PrefixIndex, worker: str, ids: list[int]) -> None:
+    """Simulate the engine's BlockStored events for the full blocks of `ids`."""
+    blocks = [(hash((worker, i)), ids[i * BLOCK:(i + 1) * BLOCK])
+              for i in range(len(ids) // BLOCK)]
+    index.stored(worker, None, blocks)
+
+
+def _req(ids, session="", **kw) -> router_pb2.RouteRequest:
+    return router_pb2.RouteRequest(model="m", prompt_token_ids=ids, session_id=session, **kw)
+
+
+def test_block_keys_chain_the_prefix_and_ignore_a_partial_block():
+    a, b = block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4), block_keys([1, 2, 3, 4, 5, 6, 7, 0], 4)
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    assert block_keys([9, 9, 9, 9, 1, 2, 3, 4], 4)[1] != a[0]   # same block, other prefix
+
+
+def test_vectorized_keys_equal_the_chain_kv_events_are_keyed_with():
+    ids = [random.Random(1).randrange(0, 1 << 32) for _ in range(16 * 300)]
+    keys, parent = [], ROOT
+    for i in range(300):
+        parent = chain(parent, content_hash(ids[i * 16:(i + 1) * 16]))
+        keys.append(parent)
+    assert block_keys(ids, 16) == keys and len(set(keys)) == 300
+
+
+def test_index_follows_stored_and_removed_events():
+    index = PrefixIndex(BLOCK)
+    ids = list(range(12))
+    keys = block_keys(ids, BLOCK)
+    _store(index, "d0", ids)
+    index.stored("d1", None, [(7, ids[:4])])
+    index.stored("d1", 7, [(8, ids[4:8])])                       # continues from its parent
+    assert index.matched_blocks(keys, ["d0", "d1", "d2"]) == {"d0": 3, "d1": 2, "d2": 0}
+    index.removed("d0", [hash(("d0", 1))])                       # evicts the middle block
+    assert index.matched_blocks(keys, ["d0"]) == {"d0": 1}
+    index.stored("d2", 999, [(5, ids[:4])])                      # unknown parent: not keyed
+    index.forget("d1")
+    assert index.matched_blocks(keys, ["d1", "d2"]) == {"d1": 0, "d2": 0}
+
+
+def test_the_worker_holding_the_prefix_wins_without_a_session():
+    reg, index = _registry(3), PrefixIndex(BLOCK)
+    ids = list(range(400))
+    _store(index, "d2", ids[:200])
+    decision, decode, _ = place(reg, _req(ids), Policy(), index)
+    assert decode.info.worker_id == "d2" and decision.cached_tokens == 200
+
+
+def test_load_bound_spills_a_shared_prefix_instead_of_piling_on_one_worker():
+    reg, index = _registry(4), PrefixIndex(BLOCK)
+    system = list(range(100, 400))
+    _store(index, "d0", system)
+    chosen = []
+    for i in range(40):
+        _, decode, _ = place(reg, _req(system + [i, i, i, i]), Policy(balance=1.25), index)
+        decode.pending += 1                                       # nothing finishes
+        chosen.append(decode.info.worker_id)
+        loads = [load(e) for e in reg.serving(DECODE)]
+        assert max(loads) <= -(-1.25 * sum(loads) // 4)           # ceil(c * mean)
+    assert chosen[0] == "d0" and set(chosen) == {"d0", "d1", "d2", "d3"}
+
+
+def test_a_session_follows_its_kv_and_short_uncached_turns_prefill_locally():
+    reg, index = _registry(2), PrefixIndex(BLOCK)
+    turn1 = list(range(1, 301))
+    d1, decode1, prefill1 = place(reg, _req(turn1, "s"), Policy(), index)
+    assert not d1.local_prefill and prefill1 is not None and d1.reason.startswith("remote:")
+    _store(index, decode1.info.worker_id, turn1 + [7] * 40)     # the prompt + its reply
+    turn2 = turn1 + [7] * 40 + [9] * 60
+    d2, decode2, prefill2 = place(reg, _req(turn2, "s"), Policy(), index)
+    assert decode2 is decode1 and prefill2 is None and d2.local_prefill
+    assert d2.cached_tokens == 340 and "holds 340 of 400" in d2.reason
+
+
+def test_saturated_or_missing_prefill_pool_means_local_prefill():
+    reg = _registry(1, prefillers=1)
+    ids = list(range(500))
+    [p] = reg.serving(PREFILL)
+    p.load = 8
+    d, _, prefill = place(reg, _req(ids), Policy(prefill_saturated=8), PrefixIndex(BLOCK))
+    assert prefill is None and "every prefill worker" in d.reason
+    d, _, prefill = place(reg, _req(ids, exclude_workers=["p0"]), Policy(), PrefixIndex(BLOCK))
+    assert prefill is None and "no prefill worker" in d.reason
