@@ -62,12 +62,19 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=50081,
                     help="edge's internal Inference gRPC API")
     up.add_argument("--router-port", type=int, default=50051)
-    up.add_argument("--prefill-port", type=int, default=50061)
-    up.add_argument("--decode-port", type=int, default=50071)
+    up.add_argument("--prefill-workers", type=int, default=1, help="prefill pool size")
+    up.add_argument("--decode-workers", type=int, default=1, help="decode pool size")
+    up.add_argument("--prefill-port", type=int, default=50061,
+                    help="first prefill worker's gRPC port (the next ones count up)")
+    up.add_argument("--decode-port", type=int, default=50071,
+                    help="first decode worker's gRPC port (the next ones count up)")
     up.add_argument("--kv-port", type=int, default=5600,
                     help="NIXL side-channel port of the prefill worker; decode uses +1")
     up.add_argument("--local-prefill-below", type=int, default=32,
                     help="prompts shorter than this many tokens prefill on the decode worker")
+    up.add_argument("--local-cached-fraction", type=float, default=0.8,
+                    help="prefill on the decode worker when it holds this much of the prompt "
+                         "(1: never for that reason)")
     up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
     up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
     up.add_argument("--worker-metrics-port", type=int, default=0,
@@ -85,8 +92,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="bounded load: no decode worker takes more than this x the mean")
     r.add_argument("--local-cached-fraction", type=float, default=0.8,
                    help="prefill on the decode worker when it holds this much of the prompt")
-    r.add_argument("--prefill-saturated", type=int, default=8,
-                   help="a prefill worker with this many requests in flight takes no more")
+    r.add_argument("--prefill-saturated", type=int, default=0,
+                   help="a prefill worker with this many requests in flight takes no more "
+                        "(0: off; stock engines' GetLoads counts made it misfire)")
     for role in ("prefill", "decode"):
         r.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {role} engine that does not register (any server of vLLM's "
@@ -104,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--cpus", default="", help="cores for the engine's threads (cpu)")
         w.add_argument("--metrics-port", type=int, default=0,
                        help="serve the engine's vllm:* Prometheus metrics on this port (0: off)")
+        w.add_argument("--kv-events-port", type=int, default=0,
+                       help="loopback port the engine publishes KV-cache events on, relayed "
+                            "to the router by SubscribeKvEvents (0: a free port)")
         _add_engine_flags(w)
 
     e = sub.add_parser("edge", help="run the HTTP edge")
@@ -174,7 +185,8 @@ def _config(a: argparse.Namespace):
                                                 lease_seconds=a.kv_lease_seconds,
                                                 buffer_device=a.device),
                             host=a.host, port=a.port, advertise_host=a.advertise_host,
-                            router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port)
+                            router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port,
+                            kv_events_port=a.kv_events_port)
     if a.command == "edge":
         return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,
@@ -182,6 +194,10 @@ def _config(a: argparse.Namespace):
                           min_prefill_workers=a.min_prefill_workers,
                           min_decode_workers=a.min_decode_workers)
     if a.command == "up":
+        if not 1 <= a.prefill_workers <= 16 or not 1 <= a.decode_workers <= 16:
+            raise ValueError("--prefill-workers and --decode-workers must be in 1..16")
+        if a.prefill_port < a.decode_port < a.prefill_port + a.prefill_workers:
+            raise ValueError("prefill ports run into --decode-port: move one of them")
         return _engine_config(a)
     return None
 

@@ -21,7 +21,10 @@ _KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-_SERVER_OPTIONS = _KEEPALIVE + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+# so_reuseport off: a second server told an address in use must fail to start,
+# not silently share the port with the first (the kernel would split calls between them).
+_SERVER_OPTIONS = _KEEPALIVE + [("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                                ("grpc.so_reuseport", 0)]
 
 # Retry only what is safe to retry: UNAVAILABLE means the call never reached
 # a handler. RESOURCE_EXHAUSTED is overload and must not be retried blindly.

@@ -1,7 +1,8 @@
 """`pdserve up`: the whole stack as child processes on one machine.
 
-Starts the router, one prefill and one decode worker (each engine on its own
-cores or GPUs) and the edge; prints one line when the edge reports healthy;
+Starts the router, N prefill and M decode workers (each engine on its own
+cores or GPUs, or sharing them when there are more engines than units) and
+the edge; prints one line when the edge reports healthy;
 on Ctrl-C/SIGTERM, or when any child dies, stops every process it started.
 Each child runs in its own session so that its engine subprocesses go with it.
 """
@@ -23,12 +24,30 @@ _READY_TIMEOUT_S = 600
 _STOP_GRACE_S = 40  # the edge gives in-flight streams 30 s
 
 
-def _split_cores() -> tuple[str, str]:
-    """Half the cores to each engine; prefill gets the lower half."""
-    cores = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cores) // 2)
-    pre, dec = cores[:half], cores[half:] or cores[:half]
-    return ",".join(map(str, pre)), ",".join(map(str, dec))
+def _spread(units: list[str], n: int) -> list[str]:
+    """`n` workers over `units` (cores or GPUs): contiguous equal shares when there are
+    enough, else several workers share one unit, round-robin."""
+    if n <= len(units):
+        per = len(units) // n
+        return [",".join(units[i * per:(i + 1) * per]) for i in range(n)]
+    return [units[i % len(units)] for i in range(n)]
+
+
+def _placement(a: argparse.Namespace, eng: EngineConfig) -> dict[str, list[str]]:
+    """Cores (cpu) or CUDA_VISIBLE_DEVICES (cuda) of every prefill and decode worker.
+
+    On CPU the prefill pool gets the lower half of the cores and the decode pool
+    the upper half (or the given --prefill-cpus / --decode-cpus), each shared out
+    among its workers; on GPUs each pool's --*-gpus are.
+    """
+    if eng.device == "cuda":
+        pre, dec = a.prefill_gpus.split(","), a.decode_gpus.split(",")
+    else:
+        cores = [str(c) for c in sorted(os.sched_getaffinity(0))]
+        half = max(1, len(cores) // 2)
+        pre = a.prefill_cpus.split(",") if a.prefill_cpus else cores[:half]
+        dec = a.decode_cpus.split(",") if a.decode_cpus else (cores[half:] or cores[:half])
+    return {"prefill": _spread(pre, a.prefill_workers), "decode": _spread(dec, a.decode_workers)}
 
 
 def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
@@ -41,26 +60,33 @@ def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
 
 
 def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[str], dict]]:
+    """Router, every worker, edge. Worker k (prefill first, then decode) gets NIXL
+    side-channel port --kv-port + k and metrics port --worker-metrics-port + k."""
     me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level]
     router = f"127.0.0.1:{a.router_port}"
-    pre_cpus, dec_cpus = _split_cores()
+    units = _placement(a, eng)
     workers = []
-    for i, (role, port, cpus, gpus) in enumerate((
-            ("prefill", a.prefill_port, a.prefill_cpus or pre_cpus, a.prefill_gpus),
-            ("decode", a.decode_port, a.decode_cpus or dec_cpus, a.decode_gpus))):
-        env = {"CUDA_VISIBLE_DEVICES": gpus} if eng.device == "cuda" else {}
-        metrics = ["--metrics-port", str(a.worker_metrics_port + i)] if a.worker_metrics_port else []
-        workers.append((role, me + [role, "--port", str(port), "--router", router,
-                                    "--kv-port", str(a.kv_port + i), "--cpus", cpus,
-                                    "--worker-id", f"{role}-0"] + metrics
-                        + _engine_flags(a, eng), env))
+    for role, first_port in (("prefill", a.prefill_port), ("decode", a.decode_port)):
+        for i, unit in enumerate(units[role]):
+            k = len(workers)
+            env = {"CUDA_VISIBLE_DEVICES": unit} if eng.device == "cuda" else {}
+            pin = [] if eng.device == "cuda" else ["--cpus", unit]
+            metrics = (["--metrics-port", str(a.worker_metrics_port + k)]
+                       if a.worker_metrics_port else [])
+            workers.append((f"{role}-{i}", me + [
+                role, "--port", str(first_port + i), "--router", router,
+                "--kv-port", str(a.kv_port + k), "--worker-id", f"{role}-{i}"] + pin + metrics
+                + _engine_flags(a, eng), env))
     return [("router", me + ["router", "--port", str(a.router_port),
-                             "--local-prefill-below", str(a.local_prefill_below)], {}),
+                             "--local-prefill-below", str(a.local_prefill_below),
+                             "--local-cached-fraction", str(a.local_cached_fraction)], {}),
             *workers,
             ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
                            "--grpc-port", str(a.grpc_port), "--router", router,
                            "--model", eng.model, "--served-model-name", eng.name,
-                           "--max-model-len", str(eng.max_model_len)], {})]
+                           "--max-model-len", str(eng.max_model_len),
+                           "--min-prefill-workers", str(a.prefill_workers),
+                           "--min-decode-workers", str(a.decode_workers)], {})]
 
 
 def healthy(url: str) -> bool:
@@ -76,9 +102,9 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
     """Stop in reverse start order, one tier at a time: the edge drains its streams
     while the workers still serve them, then the workers, then the router.
     Whatever is left of a child's session after its grace period is SIGKILLed."""
-    tiers = [["edge"], ["prefill", "decode"], ["router"]]
+    tiers = [("edge",), ("prefill-", "decode-"), ("router",)]
     for tier in tiers:
-        members = [(n, procs[n]) for n in tier if n in procs]
+        members = [(n, p) for n, p in procs.items() if n.startswith(tier)]
         for _, p in members:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -120,8 +146,8 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
             if not ready and healthy(health):
                 ready = True
                 print(f"pdserve ready: http://{a.host}:{a.port} (router 127.0.0.1:{a.router_port},"
-                      f" prefill :{a.prefill_port}, decode :{a.decode_port}, model {eng.name})",
-                      flush=True)
+                      f" {a.prefill_workers} prefill from :{a.prefill_port}, {a.decode_workers}"
+                      f" decode from :{a.decode_port}, model {eng.name})", flush=True)
             if not ready and time.monotonic() > ready_by:
                 print(f"pdserve: not healthy after {_READY_TIMEOUT_S}s; stopping", file=sys.stderr)
                 return 1

@@ -3,22 +3,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from pdserve.bench.deployments import free_port, free_port_run  # noqa: F401 (one source)
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "tiny-llama"
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

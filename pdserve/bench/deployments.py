@@ -21,15 +21,42 @@ from pathlib import Path
 
 from pdserve.supervisor import healthy
 
-_READY_TIMEOUT_S = 400
+_READY_TIMEOUT_S = int(os.environ.get("PDSERVE_BENCH_READY_S", "400"))
+
+
+_ISSUED: set[int] = set()
 
 
 def free_port() -> int:
-    """A TCP port free on loopback right now."""
+    """A TCP port free on loopback right now, and not handed out before by this process
+    (the kernel may give a just-closed port again, and two servers told the same
+    port would collide)."""
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
+
+
+def free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free (NIXL side channels of n workers)."""
+    import socket
+    for _ in range(50):
+        p = free_port()
+        try:
+            for q in range(p + 1, p + n):
+                if q in _ISSUED:
+                    raise OSError(q)
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+        except OSError:
+            continue
+        _ISSUED.update(range(p, p + n))
+        return p
+    raise RuntimeError(f"no run of {n} free ports")
 
 
 def _spec(units: list[int]) -> str:
@@ -84,7 +111,9 @@ class _Children:
             pending = [u for u in pending if not healthy(u)]
             time.sleep(0.5)
         if pending:
-            raise RuntimeError(f"{self.label}: {pending} not healthy in {_READY_TIMEOUT_S}s")
+            tails = "\n".join(log.read_text()[-3000:] for _, log in self.procs)
+            raise RuntimeError(f"{self.label}: {pending} not healthy in {_READY_TIMEOUT_S}s:\n"
+                               + tails)
 
     def stop(self) -> None:
         for p, _ in self.procs:

@@ -34,6 +34,9 @@ _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 def _error_response(e: oai.APIError, headers: dict | None = None) -> web.Response:
+    if e.status in (429, 503):
+        # Overload and "no worker serves" pass; clients back off instead of hammering.
+        headers = {**(headers or {}), "Retry-After": "1"}
     return web.json_response(e.body(), status=e.status, headers=headers)
 
 

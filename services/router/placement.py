@@ -46,7 +46,7 @@ class Policy:
     balance: float = 1.25               # CHWBL's c: max load over mean load
     local_below_tokens: int = 32        # fewer uncached tokens than this: prefill locally
     local_cached_fraction: float = 0.8  # decode worker holds this much of the prompt: local
-    prefill_saturated: int = 8          # a prefill worker with this many requests is full
+    prefill_saturated: int = 0          # a prefill worker with this many requests is full (0: off)
     load_tokens: int = 256              # one request in flight costs this many tokens to prefill
 
 
@@ -76,8 +76,8 @@ def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy
         raise NoWorkerError(f"no decode worker serves model {req.model!r}")
     ids = req.prompt_token_ids
     prompt = len(ids) or req.prompt_tokens
-    keys = block_keys(ids, index.block_size) if index and ids else []
     block = index.block_size if index else 0
+    keys = block_keys(ids, block) if block and ids else []
 
     def matched(entries: list[WorkerEntry]) -> dict[str, int]:
         if not keys:
@@ -93,7 +93,8 @@ def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy
         decode = min(under, key=lambda e: ((len(keys) - held[e.info.worker_id]) * block
                                            + policy.load_tokens * load(e), e.routed,
                                            e.info.worker_id))
-    cached = min(prompt, held[decode.info.worker_id] * block)
+    # vLLM always computes the last prompt token itself, so at most prompt - 1 is cached.
+    cached = min(prompt - 1, held[decode.info.worker_id] * block)
     prefill, reason = _prefill(registry, req, policy, prompt, cached, exclude, matched, block,
                                len(keys))
     decision = router_pb2.RouteDecision(decode=decode.info, local_prefill=prefill is None,
@@ -114,7 +115,8 @@ def _prefill(registry, req, policy: Policy, prompt: int, cached: int, exclude, m
     prefillers = registry.serving(common_pb2.WORKER_ROLE_PREFILL, req.model, exclude)
     if not prefillers:
         return None, "no-prefill: no prefill worker serves"
-    free = [e for e in prefillers if load(e) < policy.prefill_saturated]
+    free = [e for e in prefillers
+            if not policy.prefill_saturated or load(e) < policy.prefill_saturated]
     if not free:
         return None, (f"prefill-saturated: every prefill worker has >= "
                       f"{policy.prefill_saturated} requests")

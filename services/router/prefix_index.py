@@ -68,9 +68,10 @@ def block_keys(token_ids, block_size: int) -> list[int]:
 
 
 class PrefixIndex:
-    """Block keys per worker, kept from stored/removed events."""
+    """Block keys per worker, kept from stored/removed events. The block size is the
+    engines' (all workers of a model share it); 0 until the first event tells it."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int = 0):
         self.block_size = block_size
         self._holders: dict[int, set[str]] = defaultdict(set)      # key -> workers
         self._engine_keys: dict[str, dict[int, int]] = defaultdict(dict)  # worker: hash -> key
@@ -78,6 +79,9 @@ class PrefixIndex:
     def stored(self, worker: str, parent_hash: int | None,
                blocks: Iterable[tuple[int, Sequence[int]]]) -> None:
         """Blocks (engine hash, token ids) stored after the block `parent_hash`."""
+        blocks = list(blocks)
+        if not self.block_size and blocks:
+            self.block_size = len(blocks[0][1])
         keys = self._engine_keys[worker]
         parent = ROOT if parent_hash is None else keys.get(parent_hash)
         if parent is None:

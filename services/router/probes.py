@@ -15,8 +15,12 @@ draining, with no probe lag and no discovery API to grant); probing is the only
 way to use an engine that cannot register. A DNS or Kubernetes-endpoints list
 of foreign engines would feed the same probes.
 
-Each round also reads every live worker's `GetLoads` (requests running and
-waiting in its scheduler), which placement uses to pick the least-loaded one.
+Each live worker is also followed over `SubscribeKvEvents`: its engine's
+stored/evicted blocks keep the router's prefix index, and the load record on
+every batch (running + waiting requests, sent at each scheduler step and as a
+heartbeat when idle) keeps its load current and tells the router when requests
+finish. A worker whose feed has not sent a load record (no events published:
+UNIMPLEMENTED, or not yet) has its load read with `GetLoads` once per round.
 """
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ import logging
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
 
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2
 
+from .prefix_index import PrefixIndex
 from .registry import ROLE_NAMES, WorkerEntry, WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
@@ -40,13 +46,17 @@ class EngineProbes:
     """Probes static workers into the registry and refreshes every worker's load."""
 
     def __init__(self, registry: WorkerRegistry, static: list[tuple[str, str]],
-                 interval: float):
+                 interval: float, index: PrefixIndex | None = None):
         self.registry = registry
         self.static = static
         self.interval = interval
+        self.index = index if index is not None else PrefixIndex()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._models: dict[str, str] = {}
         self._task: asyncio.Task | None = None
+        self._feeds: dict[str, asyncio.Task] = {}          # worker id -> its event stream
+        self._no_events: set[str] = set()                   # workers that publish none
+        self._fed: set[str] = set()                         # workers whose feed sent a load
 
     def _stub(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
         if address not in self._channels:
@@ -63,10 +73,55 @@ class EngineProbes:
             await asyncio.sleep(self.interval)
 
     async def round(self) -> None:
-        """Probe every static worker, then read the load of every live worker."""
+        """Probe every static worker; follow every live worker's events (or read its load)."""
         await asyncio.gather(*(self.probe(role, address) for role, address in self.static))
-        live = [e for role in ROLE_NAMES for e in self.registry.serving(role)]
-        await asyncio.gather(*(self.read_load(e) for e in live))
+        live = {e.info.worker_id: e for role in ROLE_NAMES for e in self.registry.serving(role)}
+        for wid in [w for w in self._feeds if w not in live]:
+            self._feeds.pop(wid).cancel()               # gone: its cache is no use to anyone
+            self.index.forget(wid)
+        for wid, entry in live.items():
+            if wid not in self._feeds and wid not in self._no_events:
+                self._feeds[wid] = asyncio.create_task(self._follow(entry),
+                                                       name=f"kv-events-{wid}")
+        await asyncio.gather(*(self.read_load(e) for w, e in live.items()
+                               if w not in self._fed))
+
+    async def _follow(self, entry: WorkerEntry) -> None:
+        """Apply one worker's KV events and load records until its stream ends."""
+        wid = entry.info.worker_id
+        stub = self._stub(entry.info.address)
+        call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+            load_records_before_first_batch=True))
+        try:
+            async for batch in call:
+                if batch.HasField("load"):
+                    entry.load = batch.load.running_requests + batch.load.waiting_requests
+                    entry.pending = 0
+                    self._fed.add(wid)
+                for event in batch.events:
+                    self._apply(wid, event)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("worker %s publishes no KV events; polling GetLoads", wid)
+                self._no_events.add(wid)
+            else:
+                log.warning("KV events of %s ended: %s", wid, e.code().name)
+        finally:
+            self._fed.discard(wid)
+            self.index.forget(wid)          # the next subscription starts from its state
+            if self._feeds.get(wid) is asyncio.current_task():
+                del self._feeds[wid]
+
+    def _apply(self, worker: str, event: common_pb2.KvCacheEvent) -> None:
+        kind = event.WhichOneof("data")
+        if kind == "stored":
+            s = event.stored
+            self.index.stored(worker, s.parent_block_hash if s.HasField("parent_block_hash")
+                              else None, [(b.block_hash, list(b.token_ids)) for b in s.blocks])
+        elif kind == "removed":
+            self.index.removed(worker, event.removed.block_hashes)
+        elif kind == "cleared":
+            self.index.forget(worker)
 
     async def probe(self, role: str, address: str) -> bool:
         """One health probe; True when the worker answered healthy (and is routable)."""
@@ -95,12 +150,15 @@ class EngineProbes:
                 vllm_engine_pb2.GetLoadsRequest(), timeout=2.0)
         except grpc.aio.AioRpcError:
             return
+        if entry.info.worker_id in self._fed:
+            return                          # its event stream reported meanwhile: newer
         entry.load = sum(s.num_running_reqs + s.num_waiting_reqs for s in resp.loads)
         entry.pending = 0
 
     async def stop(self) -> None:
-        """Stop probing and close the channels."""
-        if self._task:
-            self._task.cancel()
+        """Stop probing and following, and close the channels."""
+        for task in [self._task, *self._feeds.values()]:
+            if task:
+                task.cancel()
         for ch in self._channels.values():
             await ch.close()

@@ -33,7 +33,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                              local_below_tokens=cfg.local_prefill_below_tokens,
                              local_cached_fraction=cfg.local_cached_fraction,
                              prefill_saturated=cfg.prefill_saturated)
-        self.index: PrefixIndex | None = None     # once the engines' block size is known
+        self.index = PrefixIndex()                # kept by the workers' KV events
 
     async def Register(self, request, context):
         w = request.worker
@@ -60,8 +60,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if entry is not None:
                 entry.routed += 1
                 entry.pending += 1
-        log.info("route %s: decode=%s prefill=%s (%s)", request.request_id,
-                 decision.decode.worker_id, decision.prefill.worker_id or "-", decision.reason)
+        log.info("route %s: decode=%s prefill=%s (%s; %d of %d prompt tokens held)",
+                 request.request_id, decision.decode.worker_id,
+                 decision.prefill.worker_id or "-", decision.reason, decision.cached_tokens,
+                 len(request.prompt_token_ids) or request.prompt_tokens)
         return decision
 
     async def ListWorkers(self, request, context):
@@ -75,7 +77,7 @@ async def serve(cfg: RouterConfig) -> None:
                     lambda s: router_pb2_grpc.add_RouterServicer_to_server(service, s),
                     ["pdserve.v1.Router"])
     probes = EngineProbes(service.registry, list(cfg.static_workers),
-                          cfg.worker_timeout_seconds / 3)
+                          cfg.worker_timeout_seconds / 3, service.index)
     await server.start()
     probes.start()
     log.info("router listening on %s:%d (%d static workers)", cfg.host, server.port,

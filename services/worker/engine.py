@@ -14,10 +14,19 @@ from transfer.connector import engine_kv_config
 log = logging.getLogger(__name__)
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class VllmEngine:
     """One in-process vLLM v1 engine (`AsyncLLM`) configured for a worker role."""
 
-    def __init__(self, cfg: EngineConfig, role: str, kv: KVTransferConfig | None):
+    def __init__(self, cfg: EngineConfig, role: str, kv: KVTransferConfig | None,
+                 kv_events_port: int = 0):
+        from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -30,9 +39,16 @@ class VllmEngine:
             max_num_seqs=cfg.max_num_seqs,
             seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size,
-            # NOTE: prefix caching stays off on a P/D pair: a decode engine
-            # would otherwise hash blocks it received, not blocks it computed.
-            enable_prefix_caching=False,
+            # Prefix caching on the prefill engines: a later turn computes only its
+            # new tokens. NOTE: off on decode engines for now: with it on, two
+            # concurrent requests pulling the same prompt's blocks over NIXL gave
+            # wrong tokens (tests/e2e/test_disaggregated_path.py, the concurrent
+            # streams test, fails). Stored/evicted blocks are published for the
+            # router's prefix index (loopback only).
+            enable_prefix_caching=role == "prefill",
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq",
+                endpoint=f"tcp://127.0.0.1:{kv_events_port or _free_port()}"),
             kv_transfer_config=engine_kv_config(role, kv) if kv else None,
             **({"kv_cache_memory_bytes": cfg.kv_cache_bytes} if cfg.device == "cpu"
                else {"gpu_memory_utilization": cfg.gpu_memory_utilization}),

@@ -8,7 +8,6 @@ up for the session. Teardown checks that no process of the stack survives.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 import urllib.request
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from cases import CASES
-from support import Proc, free_port, pdserve_cmd
+from support import Proc, free_port, free_port_run, pdserve_cmd
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
@@ -81,15 +80,7 @@ def reference(model_dir) -> dict[str, dict]:
 
 def _free_port_pair() -> int:
     """A port p with p and p+1 both free (prefill and decode NIXL side channels)."""
-    for _ in range(50):
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise RuntimeError("no free port pair")
+    return free_port_run(2)
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -128,7 +119,10 @@ def stack(model_dir, reference) -> Stack:
                             str(ports["router"]), "--prefill-port", str(ports["prefill"]),
                             "--decode-port", str(ports["decode"]),
                             "--kv-port", str(_free_port_pair()), "--model", str(model_dir),
-                            "--worker-metrics-port", str(metrics)),
+                            "--worker-metrics-port", str(metrics),
+                            # Equality tests repeat prompts: keep them on the P/D path even
+                            # when the decode worker holds them (tested on its own elsewhere).
+                            "--local-cached-fraction", "1"),
                 name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from smg_grpc_proto import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import common_pb2
 
 from support import metric_sum
 
@@ -28,3 +29,9 @@ def external_kv_tokens(stack) -> float:
     """vLLM's count of prompt tokens the decode engine took over KV transfer."""
     return metric_sum(stack.decode_metrics, "vllm:prompt_tokens_by_source_total",
                       'source="external_kv_transfer"')
+
+
+def flush_prefix_cache(*stubs) -> None:
+    """Empty the engines' prefix caches: what follows computes or pulls every block."""
+    for stub in stubs:
+        assert stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=15).success

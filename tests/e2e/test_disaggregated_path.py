@@ -10,7 +10,7 @@ import pytest
 
 from cases import CASES, MAX_TOKENS, Case
 from support import metric_sum
-from engine_client import generate
+from engine_client import flush_prefix_cache, generate
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from transfer.connector import request_params_for_decode, request_params_for_prefill
 
@@ -110,6 +110,7 @@ def test_decode_uses_the_transferred_kv_not_its_own(stack, model_dir):
         local_a, _ = generate(decode, "swap-local-a", a, 12)
         local_b, _ = generate(decode, "swap-local-b", b, 12)
         assert local_a != local_b
+        flush_prefix_cache(decode)          # nothing of B's own KV left on the decode side
         first, done = generate(prefill, "swap-a", a, 1, kv=request_params_for_prefill())
         params = json.loads(done.kv_transfer_params_json)
         assert len(params["remote_block_ids"][0]) == 4 and first[0] == local_a[0]

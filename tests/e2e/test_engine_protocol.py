@@ -14,7 +14,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from cases import CASES, MAX_TOKENS
-from engine_client import external_kv_tokens, generate
+from engine_client import external_kv_tokens, flush_prefix_cache, generate
 from services.edge.openai_protocol import parse_request
 from services.edge.prompts import PromptEncoder
 from transfer.connector import request_params_for_decode, request_params_for_prefill
@@ -39,6 +39,7 @@ def test_prefill_then_decode_over_vllm_protocol_equals_single_engine(stubs, stac
                                                                      reference, case):
     prefill, decode = stubs
     ids = _ids(model_dir, case)
+    flush_prefix_cache(prefill, decode)     # earlier tests ran these prompts
     before = external_kv_tokens(stack)
     first, done = generate(prefill, f"proto-p-{case.name}", ids, 1,
                             kv=request_params_for_prefill())

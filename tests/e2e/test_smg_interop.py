@@ -8,11 +8,13 @@ import json
 import time
 import urllib.request
 
+import grpc
 import pytest
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from cases import CASES
 from pdserve.bench.deployments import SmgGateway
-from engine_client import external_kv_tokens
+from engine_client import external_kv_tokens, flush_prefix_cache
 
 
 def _decode_log(stack, request_id: str) -> str | None:
@@ -38,6 +40,9 @@ def smg(stack, model_dir):
 @pytest.mark.parametrize("case", [c for c in CASES if c.kind == "completion"],
                          ids=lambda c: c.name)
 def test_smg_over_pdserve_workers_equals_single_engine(smg, stack, reference, case):
+    with grpc.insecure_channel(stack.prefill) as p, grpc.insecure_channel(stack.decode) as d:
+        flush_prefix_cache(vllm_engine_pb2_grpc.VllmEngineStub(p),
+                           vllm_engine_pb2_grpc.VllmEngineStub(d))   # earlier tests ran these
     before = external_kv_tokens(stack)
     req = urllib.request.Request(f"{smg}/v1/completions",
                                  data=json.dumps(case.body(stack.model, False)).encode(),

@@ -1,9 +1,12 @@
 """The router over real gRPC: registration, liveness, placement."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2 as common_pb2_smg
 
 from pdserve.config import RouterConfig
 from pdserve.rpc import Server, channel
@@ -11,6 +14,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.placement import Policy, place
 from services.router.registry import WorkerRegistry
 from services.router.server import RouterService
+from services.router.prefix_index import block_keys
 from services.router.probes import EngineProbes
 
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
@@ -202,3 +206,46 @@ async def test_placement_prefers_the_engine_with_fewer_requests_by_getloads():
         await probes.stop()
         for server in servers:
             await server.stop(0)
+
+
+class EventingEngine(FakeEngine):
+    """Publishes one stored-blocks batch with a load record, like vLLM's servicer."""
+
+    def __init__(self, tokens: list[int]):
+        super().__init__()
+        self.tokens = tokens
+
+    async def SubscribeKvEvents(self, request, context):
+        blocks = [common_pb2_smg.KvBlock(block_hash=100 + i, token_ids=self.tokens[i * 4:i * 4 + 4],
+                                         block_size=4) for i in range(len(self.tokens) // 4)]
+        yield common_pb2_smg.KvEventBatch(
+            sequence_number=1, events=[common_pb2_smg.KvCacheEvent(
+                event_id=1, stored=common_pb2_smg.KvBlocksStored(blocks=blocks))],
+            load=common_pb2_smg.EngineLoad(running_requests=2, waiting_requests=1))
+        await asyncio.sleep(30)
+
+
+async def test_kv_events_feed_the_prefix_index_and_the_load():
+    tokens = list(range(40, 72))
+    engine = EventingEngine(tokens)
+    server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+        engine, s), [])
+    await server.start()
+    registry = WorkerRegistry(timeout=6.0)
+    address = f"127.0.0.1:{server.port}"
+    probes = EngineProbes(registry, [("decode", address)], interval=2.0)
+    try:
+        await probes.round()
+        for _ in range(50):
+            if probes.index.block_size:
+                break
+            await asyncio.sleep(0.05)
+        [entry] = registry.serving(DECODE, "m")
+        assert entry.load == 3 and probes.index.block_size == 4
+        keys = block_keys(tokens + [1, 2], 4)
+        assert probes.index.matched_blocks(keys, [entry.info.worker_id]) == {
+            entry.info.worker_id: 8}
+    finally:
+        await probes.stop()
+        await server.stop(0)
+    assert probes.index.blocks_held(entry.info.worker_id) == 0     # forgotten when it ended

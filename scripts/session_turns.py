@@ -1,0 +1,111 @@
+"""Turn 1 vs turn 2 of chat sessions on a decode pool: where each lands, and its TTFT.
+
+Starts `pdserve up --decode-workers 2` (or uses --url of a running stack), warms
+it up, then for each of N sessions sends turn 1 (a long history: ~`--history`
+tokens) and, once it is answered, turn 2 (that history + the reply + a short new
+message), both with the same `x-session-id`. Prints, per turn, the median TTFT,
+the paths and placements the router chose, and whether turn 2 landed on turn 1's
+decode worker; then the ratio turn 2 / turn 1.
+
+    .venv/bin/python scripts/session_turns.py --sessions 8 --history 900
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+from pdserve.bench.deployments import free_port, free_port_run
+from pdserve.supervisor import healthy
+from pdserve.tiny_model import ensure_tiny_model, synthetic_corpus
+
+
+def _turn(url: str, model: str, messages: list[dict], session: str) -> tuple[dict, str, float]:
+    body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "x-session-id": session})
+    started, first, text = time.perf_counter(), None, []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        headers = {k.lower(): v for k, v in r.headers.items()}
+        for line in r:
+            if line.startswith(b"data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                if delta:
+                    first = first or time.perf_counter()
+                    text.append(delta)
+    return headers, "".join(text), 1000 * (first - started)
+
+
+def _history(seed: int, tokens: int) -> list[dict]:
+    words = " ".join(synthetic_corpus(seed, tokens // 10))
+    return [{"role": "system", "content": "You are a careful storyteller."},
+            {"role": "user", "content": words}]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="", help="a running stack (default: start one)")
+    p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--history", type=int, default=900, help="turn 1 prompt, ~tokens")
+    a = p.parse_args()
+    model = str(ensure_tiny_model(Path(a.model)).resolve())
+    proc = None
+    url = a.url
+    if not url:
+        import subprocess
+        import sys
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up",
+             "--decode-workers", "2", "--model", model, "--port", str(port),
+             "--grpc-port", str(free_port()), "--router-port", str(free_port()),
+             "--prefill-port", str(free_port()), "--decode-port", str(free_port_run(2)),
+             "--kv-port", str(free_port_run(3))], start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 400
+        while not healthy(url + "/health"):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("stack did not come up")
+            time.sleep(1)
+    try:
+        for i in range(2):                      # NIXL handshakes, first-call costs
+            _turn(url, model, _history(10_000 + i, a.history), f"warm-{i}")
+        rows = []
+        run = random.Random(time.time_ns()).randrange(1 << 30)   # fresh prompts every run
+        for s in range(a.sessions):
+            history = _history(run + s, a.history)
+            h1, reply, t1 = _turn(url, model, history, f"s{run}-{s}")
+            time.sleep(0.3)                     # the turn's stored-block events reach the router
+            turn2 = history + [{"role": "assistant", "content": reply},
+                               {"role": "user", "content": "And what happened next?"}]
+            h2, _, t2 = _turn(url, model, turn2, f"s{run}-{s}")
+            rows.append((h1, t1, h2, t2))
+            print(f"session {s}: turn 1 {t1:7.1f} ms {h1['x-pdserve-path']:>13} on "
+                  f"{h1['x-pdserve-worker']} | turn 2 {t2:7.1f} ms {h2['x-pdserve-path']:>13}"
+                  f" ({h2['x-pdserve-placement']}) on {h2['x-pdserve-worker']}", flush=True)
+        t1 = statistics.median(r[1] for r in rows)
+        t2 = statistics.median(r[3] for r in rows)
+        same = sum(r[0]["x-pdserve-worker"] == r[2]["x-pdserve-worker"] for r in rows)
+        workers = Counter(r[0]["x-pdserve-worker"] for r in rows)
+        print(f"turn 1 TTFT p50 {t1:.1f} ms, turn 2 TTFT p50 {t2:.1f} ms: ratio {t2 / t1:.2f}x; "
+              f"turn 2 on turn 1's worker {same}/{len(rows)}; sessions per worker "
+              f"{dict(workers)}; turn 2 placements "
+              f"{dict(Counter(r[2]['x-pdserve-placement'] for r in rows))}")
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=90)
+
+
+if __name__ == "__main__":
+    main()

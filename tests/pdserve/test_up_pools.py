@@ -1,0 +1,45 @@
+"""`pdserve up --prefill-workers N --decode-workers M`: ports, cores and ids per worker."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import _config, _parser
+from pdserve.supervisor import _commands, _spread
+
+
+def _plan(*flags: str) -> dict[str, list[str]]:
+    a = _parser().parse_args(["up", "--prefill-cpus", "0", "--decode-cpus", "1,2,3", *flags])
+    return {name: cmd for name, cmd, _ in _commands(a, _config(a))}
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_pools_get_their_own_ports_ids_and_cores():
+    plan = _plan("--prefill-workers", "2", "--decode-workers", "3", "--worker-metrics-port", "9000")
+    assert list(plan) == ["router", "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2",
+                          "edge"]
+    workers = [plan[n] for n in list(plan)[1:-1]]
+    assert [_flag(c, "--port") for c in workers] == ["50061", "50062", "50071", "50072", "50073"]
+    assert [_flag(c, "--kv-port") for c in workers] == ["5600", "5601", "5602", "5603", "5604"]
+    assert [_flag(c, "--metrics-port") for c in workers] == ["9000", "9001", "9002", "9003",
+                                                             "9004"]
+    assert [_flag(c, "--worker-id") for c in workers] == [
+        "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
+    # Two prefill engines share the one prefill core; decode gets a core each.
+    assert [_flag(c, "--cpus") for c in workers] == ["0", "0", "1", "2", "3"]
+    assert _flag(plan["edge"], "--min-decode-workers") == "3"
+
+
+def test_spread_gives_equal_shares_or_shares_units():
+    assert _spread(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
+    assert _spread(["4"], 3) == ["4", "4", "4"]
+
+
+@pytest.mark.parametrize("flags", [["--decode-workers", "0"],
+                                   ["--prefill-workers", "12"]])
+def test_bad_pool_sizes_are_refused(flags):
+    a = _parser().parse_args(["up", *flags])
+    with pytest.raises(ValueError):
+        _config(a)
