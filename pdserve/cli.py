@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-port", type=int, default=50071,
                     help="first decode worker's gRPC port (the next ones count up)")
     up.add_argument("--kv-port", type=int, default=5600,
-                    help="NIXL side-channel port of the prefill worker; decode uses +1")
+                    help="NIXL side-channel port of the first worker (the others count up), "
+                         "then one KV-events port per worker")
     up.add_argument("--local-prefill-below", type=int, default=32,
                     help="prompts shorter than this many tokens prefill on the decode worker")
     up.add_argument("--local-cached-fraction", type=float, default=0.8,

@@ -12,36 +12,17 @@ decode worker; then the ratio turn 2 / turn 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from pdserve.bench.chat_turn import chat_turn
 from pdserve.bench.deployments import free_port, free_port_run
 from pdserve.supervisor import healthy
 from pdserve.tiny_model import ensure_tiny_model, synthetic_corpus
-
-
-def _turn(url: str, model: str, messages: list[dict], session: str) -> tuple[dict, str, float]:
-    body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "x-session-id": session})
-    started, first, text = time.perf_counter(), None, []
-    with urllib.request.urlopen(req, timeout=300) as r:
-        headers = {k.lower(): v for k, v in r.headers.items()}
-        for line in r:
-            if line.startswith(b"data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-                if delta:
-                    first = first or time.perf_counter()
-                    text.append(delta)
-    return headers, "".join(text), 1000 * (first - started)
 
 
 def _history(seed: int, tokens: int) -> list[dict]:
@@ -70,7 +51,7 @@ def main() -> None:
              "--decode-workers", "2", "--model", model, "--port", str(port),
              "--grpc-port", str(free_port()), "--router-port", str(free_port()),
              "--prefill-port", str(free_port()), "--decode-port", str(free_port_run(2)),
-             "--kv-port", str(free_port_run(3))], start_new_session=True)
+             "--kv-port", str(free_port_run(6))], start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 400
         while not healthy(url + "/health"):
@@ -79,16 +60,16 @@ def main() -> None:
             time.sleep(1)
     try:
         for i in range(2):                      # NIXL handshakes, first-call costs
-            _turn(url, model, _history(10_000 + i, a.history), f"warm-{i}")
+            chat_turn(url, model, _history(10_000 + i, a.history), f"warm-{i}")
         rows = []
         run = random.Random(time.time_ns()).randrange(1 << 30)   # fresh prompts every run
         for s in range(a.sessions):
             history = _history(run + s, a.history)
-            h1, reply, t1 = _turn(url, model, history, f"s{run}-{s}")
+            h1, reply, t1 = chat_turn(url, model, history, f"s{run}-{s}")
             time.sleep(0.3)                     # the turn's stored-block events reach the router
             turn2 = history + [{"role": "assistant", "content": reply},
                                {"role": "user", "content": "And what happened next?"}]
-            h2, _, t2 = _turn(url, model, turn2, f"s{run}-{s}")
+            h2, _, t2 = chat_turn(url, model, turn2, f"s{run}-{s}")
             rows.append((h1, t1, h2, t2))
             print(f"session {s}: turn 1 {t1:7.1f} ms {h1['x-pdserve-path']:>13} on "
                   f"{h1['x-pdserve-worker']} | turn 2 {t2:7.1f} ms {h2['x-pdserve-path']:>13}"

@@ -27,18 +27,33 @@ _READY_TIMEOUT_S = int(os.environ.get("PDSERVE_BENCH_READY_S", "400"))
 _ISSUED: set[int] = set()
 
 
+def _below_ephemeral() -> range:
+    """Ports the kernel never hands out for a bind to port 0: servers that vLLM and NIXL
+    start on random ports cannot take one of ours between our probe and our bind."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10000, max(10001, low - 1))
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now, and not handed out before by this process
-    (the kernel may give a just-closed port again, and two servers told the same
-    port would collide)."""
+    """A TCP port free on loopback right now, below the ephemeral range, and not handed
+    out before by this process."""
+    import random
     import socket
+    ports = _below_ephemeral()
     while True:
+        port = random.randrange(ports.start, ports.stop)
+        if port in _ISSUED:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _ISSUED:
-            _ISSUED.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ISSUED.add(port)
+        return port
 
 
 def free_port_run(n: int) -> int:
@@ -147,7 +162,7 @@ class PdserveStack:
 
     def start(self) -> list[str]:
         self.ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
-        kv = free_port()
+        kv = free_port_run(4)          # side channels and KV-events ports of 2 workers
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up",
                "--model", self.model, "--port", str(self.ports["edge"]),
                "--grpc-port", str(self.ports["grpc"]), "--router-port", str(self.ports["router"]),

@@ -8,13 +8,10 @@ sessions spread over both workers.
 """
 from __future__ import annotations
 
-import json
-import time
-import urllib.request
-
 import pytest
 
 from cases import CASES
+from pdserve.bench.chat_turn import chat_turn
 from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
 
 
@@ -26,7 +23,7 @@ def pool(model_dir, reference):
                             "--grpc-port", str(ports["grpc"]), "--router-port", str(ports["router"]),
                             "--prefill-port", str(free_port()), "--decode-port",
                             str(free_port_run(2)),
-                            "--kv-port", str(free_port_run(3)), "--model", str(model_dir),
+                            "--kv-port", str(free_port_run(6)), "--model", str(model_dir),
                             "--worker-metrics-port", str(metrics)), name="pdserve-pool")
     try:
         proc.wait_for("pdserve ready", timeout=400)
@@ -37,23 +34,7 @@ def pool(model_dir, reference):
 
 
 def _chat(pool, messages, session: str) -> tuple[dict, str, float]:
-    """(headers, text, seconds to the first token) of one streamed chat turn."""
-    body = {"model": pool["model"], "messages": messages, "max_tokens": 16, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    req = urllib.request.Request(f"{pool['url']}/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "x-session-id": session})
-    started, first, text = time.perf_counter(), None, []
-    with urllib.request.urlopen(req, timeout=120) as r:
-        headers = {k.lower(): v for k, v in r.headers.items()}
-        for line in r:
-            if line.startswith(b"data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-                if delta:
-                    first = first or time.perf_counter()
-                    text.append(delta)
-    return headers, "".join(text), first - started
+    return chat_turn(pool["url"], pool["model"], messages, session)
 
 
 def test_turn_two_follows_the_session_and_prefills_from_its_cache(pool):
