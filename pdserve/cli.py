@@ -41,6 +41,25 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+# The router's placement flags, which `up` passes to its router unchanged.
+PLACEMENT_FLAGS = ("local_prefill_below", "balance", "local_cached_fraction", "prefill_saturated")
+
+
+def _add_placement_flags(p: argparse.ArgumentParser) -> None:
+    """The router's placement policy (on `router`, and passed through by `up`)."""
+    g = p.add_argument_group("placement (router)")
+    g.add_argument("--local-prefill-below", type=int, default=32,
+                   help="prefill on the decode worker when fewer tokens than this are uncached")
+    g.add_argument("--balance", type=float, default=1.25,
+                   help="bounded load: no decode worker takes more than this x the mean")
+    g.add_argument("--local-cached-fraction", type=float, default=0.8,
+                   help="prefill on the decode worker when it holds this much of the prompt "
+                        "(1: never for that reason)")
+    g.add_argument("--prefill-saturated", type=int, default=0,
+                   help="a prefill worker with this many requests in flight takes no more "
+                        "(0: off; stock engines' GetLoads counts made it misfire)")
+
+
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model or str(DEFAULT_MODEL_DIR.resolve()), served_model_name=a.served_model_name,
@@ -71,31 +90,21 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-port", type=int, default=5600,
                     help="NIXL side-channel port of the first worker (the others count up), "
                          "then one KV-events port per worker")
-    up.add_argument("--local-prefill-below", type=int, default=32,
-                    help="prompts shorter than this many tokens prefill on the decode worker")
-    up.add_argument("--local-cached-fraction", type=float, default=0.8,
-                    help="prefill on the decode worker when it holds this much of the prompt "
-                         "(1: never for that reason)")
     up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
     up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
     up.add_argument("--worker-metrics-port", type=int, default=0,
-                    help="serve the prefill engine's vllm:* metrics here, decode's on +1 (0: off)")
+                    help="serve each worker's vllm:* metrics, prefill first, counting up from "
+                         "here (0: off)")
     up.add_argument("--prefill-gpus", default="0", help="CUDA_VISIBLE_DEVICES of prefill (cuda)")
     up.add_argument("--decode-gpus", default="1", help="CUDA_VISIBLE_DEVICES of decode (cuda)")
     _add_engine_flags(up)
+    _add_placement_flags(up)
 
     r = sub.add_parser("router", help="run the router")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
-    r.add_argument("--local-prefill-below", type=int, default=32)
     r.add_argument("--worker-timeout", type=float, default=6.0)
-    r.add_argument("--balance", type=float, default=1.25,
-                   help="bounded load: no decode worker takes more than this x the mean")
-    r.add_argument("--local-cached-fraction", type=float, default=0.8,
-                   help="prefill on the decode worker when it holds this much of the prompt")
-    r.add_argument("--prefill-saturated", type=int, default=0,
-                   help="a prefill worker with this many requests in flight takes no more "
-                        "(0: off; stock engines' GetLoads counts made it misfire)")
+    _add_placement_flags(r)
     for role in ("prefill", "decode"):
         r.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {role} engine that does not register (any server of vLLM's "

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pdserve.cli import PLACEMENT_FLAGS
 from pdserve.config import EngineConfig
 
 _READY_TIMEOUT_S = 600
@@ -80,9 +81,9 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                 "--kv-port", str(a.kv_port + k), "--kv-events-port", str(a.kv_port + n + k),
                 "--worker-id", f"{role}-{i}"] + pin + metrics
                 + _engine_flags(a, eng), env))
-    return [("router", me + ["router", "--port", str(a.router_port),
-                             "--local-prefill-below", str(a.local_prefill_below),
-                             "--local-cached-fraction", str(a.local_cached_fraction)], {}),
+    placement = [arg for name in PLACEMENT_FLAGS
+                 for arg in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]
+    return [("router", me + ["router", "--port", str(a.router_port)] + placement, {}),
             *workers,
             ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
                            "--grpc-port", str(a.grpc_port), "--router", router,

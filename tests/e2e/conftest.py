@@ -78,11 +78,6 @@ def reference(model_dir) -> dict[str, dict]:
         proc.stop(timeout=60)
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p+1 both free (prefill and decode NIXL side channels)."""
-    return free_port_run(2)
-
-
 def _alive(pids: list[int]) -> list[int]:
     import psutil
     out = []
@@ -113,7 +108,7 @@ class Stack:
 def stack(model_dir, reference) -> Stack:
     """`pdserve up` on free loopback ports; stopped (and checked) at session end."""
     ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
-    metrics = _free_port_pair()
+    metrics = free_port_run(2)
     proc = Proc(pdserve_cmd("up", "--port", str(ports["edge"]), "--grpc-port", str(ports["grpc"]),
                             "--router-port",
                             str(ports["router"]), "--prefill-port", str(ports["prefill"]),

@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 
 from cases import CASES, MAX_TOKENS
-from conftest import _free_port_pair, _wait_http
-from support import Proc, free_port, metric_sum, pdserve_cmd
+from conftest import _wait_http
+from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
 
 
 def _stock_engine(model_dir, role: str, core: int, side_channel: int) -> tuple[Proc, str]:
@@ -38,7 +38,7 @@ def _stock_engine(model_dir, role: str, core: int, side_channel: int) -> tuple[P
 def stock_cluster(model_dir, reference):
     """Stock prefill + decode engines, pdserve's router (static workers) and edge.
     (After `reference`: three engines starting at once on two cores starve each other.)"""
-    side = _free_port_pair()
+    side = free_port_run(2)
     prefill, p_addr = _stock_engine(model_dir, "kv_producer", 0, side)
     decode, d_addr = _stock_engine(model_dir, "kv_consumer", 1, side + 1)
     procs = [prefill, decode]

@@ -32,6 +32,7 @@ def test_pools_get_their_own_ports_ids_and_cores():
     # Two prefill engines share the one prefill core; decode gets a core each.
     assert [_flag(c, "--cpus") for c in workers] == ["0", "0", "1", "2", "3"]
     assert _flag(plan["edge"], "--min-decode-workers") == "3"
+    assert _flag(plan["router"], "--balance") == "1.25"          # placement flags pass through
 
 
 def test_spread_gives_equal_shares_or_shares_units():
