@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                          "then one KV-events port per worker")
     up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
     up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
+    up.add_argument("--gateway-cpus", default="",
+                    help="cores for the edge and router (default: any)")
     up.add_argument("--worker-metrics-port", type=int, default=0,
                     help="serve each worker's vllm:* metrics, prefill first, counting up from "
                          "here (0: off)")
@@ -104,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--worker-timeout", type=float, default=6.0)
+    r.add_argument("--cpus", default="", help="cores to run on (default: any)")
     _add_placement_flags(r)
     for role in ("prefill", "decode"):
         r.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
@@ -137,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=int, default=2048)
     e.add_argument("--min-prefill-workers", type=int, default=1)
     e.add_argument("--min-decode-workers", type=int, default=1)
+    e.add_argument("--cpus", default="", help="cores to run on (default: any)")
 
     b = sub.add_parser("build-model", help="build the tiny offline model if absent")
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
@@ -157,6 +161,12 @@ def parse_cpus(spec: str) -> set[int]:
     return cpus
 
 
+def _pin(cpus: str) -> None:
+    """Run this process (and every thread it starts later) on `cpus` ('' = anywhere)."""
+    if cpus:
+        os.sched_setaffinity(0, parse_cpus(cpus))
+
+
 def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     """vLLM and UCX read these from the process environment, before vllm is imported."""
     from transfer.connector import engine_kv_env
@@ -169,7 +179,7 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
             # OpenMP threads (and on a 1-thread team not even the main one), so
             # pin the whole worker process tree: engine core, model runner, NIXL.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-            os.sched_setaffinity(0, parse_cpus(cpus))
+            _pin(cpus)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         from pdserve.tiny_model import ensure_tiny_model
         print(ensure_tiny_model(Path(a.out), seed=a.seed))
     elif a.command == "router":
+        _pin(a.cpus)
         from services.router.server import serve
         _run(serve(cfg))
     elif a.command in ("prefill", "decode"):
@@ -235,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         from services.worker.main import serve_worker
         _run(serve_worker(cfg))
     elif a.command == "edge":
+        _pin(a.cpus)
         from services.edge.server import serve
         _run(serve(cfg))
     elif a.command == "up":

@@ -83,14 +83,19 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                 + _engine_flags(a, eng), env))
     placement = [arg for name in PLACEMENT_FLAGS
                  for arg in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]
-    return [("router", me + ["router", "--port", str(a.router_port)] + placement, {}),
+    # The gateway runs anywhere unless told: on the 2-core dev box, pinning it
+    # to the prefill core measured a worse TTFT (its per-token wake-ups then
+    # delay every prefill; bench/README.md).
+    gateway_pin = ["--cpus", a.gateway_cpus] if a.gateway_cpus else []
+    return [("router", me + ["router", "--port", str(a.router_port)] + gateway_pin + placement,
+             {}),
             *workers,
             ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
                            "--grpc-port", str(a.grpc_port), "--router", router,
                            "--model", eng.model, "--served-model-name", eng.name,
                            "--max-model-len", str(eng.max_model_len),
                            "--min-prefill-workers", str(a.prefill_workers),
-                           "--min-decode-workers", str(a.decode_workers)], {})]
+                           "--min-decode-workers", str(a.decode_workers)] + gateway_pin, {})]
 
 
 def healthy(url: str) -> bool:

@@ -145,14 +145,20 @@ async def _relay_sse(request, req: oai.CompletionRequest, stream: GenerationStre
             data = oai.completion_chunk(rid, model, created, text=text or "", finish_reason=finish)
         return oai.sse_event(data)
 
-    if req.kind == "chat":
-        await resp.write(oai.sse_event(oai.chat_chunk(rid, model, created, role="assistant",
-                                                      content="")))
+    # Chat opens with the assistant's role. It goes out with the first text, as
+    # vLLM's server sends it (with its first output), not before: an empty
+    # event ahead of the first token would only make the stream look faster
+    # to a client that times its first event.
+    opening = (oai.sse_event(oai.chat_chunk(rid, model, created, role="assistant", content=""))
+               if req.kind == "chat" else b"")
     try:
         async with contextlib.aclosing(stream.chunks()) as chunks:
             async for chunk in chunks:
                 if chunk.text:
-                    await resp.write(event(chunk.text))
+                    await resp.write(opening + event(chunk.text))
+                    opening = b""
+        if opening:
+            await resp.write(opening)                   # no text at all: still a role
         await resp.write(event(None if req.kind == "chat" else "",
                                finish=stream.finish_reason or "stop"))
         if req.include_usage:

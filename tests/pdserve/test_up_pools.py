@@ -35,6 +35,13 @@ def test_pools_get_their_own_ports_ids_and_cores():
     assert _flag(plan["router"], "--balance") == "1.25"          # placement flags pass through
 
 
+def test_gateway_runs_anywhere_unless_told():
+    plan = _plan("--prefill-workers", "2")
+    assert "--cpus" not in plan["edge"] and "--cpus" not in plan["router"]
+    plan = _plan("--gateway-cpus", "2-3")
+    assert _flag(plan["edge"], "--cpus") == _flag(plan["router"], "--cpus") == "2-3"
+
+
 def test_spread_gives_equal_shares_or_shares_units():
     assert _spread(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
     assert _spread(["4"], 3) == ["4", "4", "4"]
