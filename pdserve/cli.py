@@ -88,8 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-port", type=int, default=50071,
                     help="first decode worker's gRPC port (the next ones count up)")
     up.add_argument("--kv-port", type=int, default=5600,
-                    help="NIXL side-channel port of the first worker (the others count up), "
-                         "then one KV-events port per worker")
+                    help="NIXL side-channel port of the first worker (the others count up)")
     up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
     up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
     up.add_argument("--gateway-cpus", default="",
@@ -125,9 +124,6 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--cpus", default="", help="cores for the engine's threads (cpu)")
         w.add_argument("--metrics-port", type=int, default=0,
                        help="serve the engine's vllm:* Prometheus metrics on this port (0: off)")
-        w.add_argument("--kv-events-port", type=int, default=0,
-                       help="loopback port the engine publishes KV-cache events on, relayed "
-                            "to the router by SubscribeKvEvents (0: a free port)")
         _add_engine_flags(w)
 
     e = sub.add_parser("edge", help="run the HTTP edge")
@@ -205,8 +201,7 @@ def _config(a: argparse.Namespace):
                                                 lease_seconds=a.kv_lease_seconds,
                                                 buffer_device=a.device),
                             host=a.host, port=a.port, advertise_host=a.advertise_host,
-                            router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port,
-                            kv_events_port=a.kv_events_port)
+                            router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port)
     if a.command == "edge":
         return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,

@@ -86,16 +86,12 @@ class WorkerConfig:
     worker_id: str = ""
     heartbeat_seconds: float = 2.0
     metrics_port: int = 0                # the engine's vllm:* series over HTTP; 0 = off
-    # Where the engine publishes its KV-cache events (ZMQ, loopback only; the worker's
-    # gRPC servicer relays them to the router over SubscribeKvEvents). 0 = a free port.
-    kv_events_port: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
-        _check_port("kv_events_port", self.kv_events_port)
         _check_positive("heartbeat_seconds", self.heartbeat_seconds)
 
 

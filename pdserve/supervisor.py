@@ -61,13 +61,11 @@ def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
 
 
 def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[str], dict]]:
-    """Router, every worker, edge. Worker k of n (prefill first, then decode) gets NIXL
-    side-channel port --kv-port + k, KV-events port --kv-port + n + k and metrics port
-    --worker-metrics-port + k."""
+    """Router, every worker, edge. Worker k (prefill first, then decode) gets NIXL
+    side-channel port --kv-port + k and metrics port --worker-metrics-port + k."""
     me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level]
     router = f"127.0.0.1:{a.router_port}"
     units = _placement(a, eng)
-    n = a.prefill_workers + a.decode_workers
     workers = []
     for role, first_port in (("prefill", a.prefill_port), ("decode", a.decode_port)):
         for i, unit in enumerate(units[role]):
@@ -78,7 +76,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                        if a.worker_metrics_port else [])
             workers.append((f"{role}-{i}", me + [
                 role, "--port", str(first_port + i), "--router", router,
-                "--kv-port", str(a.kv_port + k), "--kv-events-port", str(a.kv_port + n + k),
+                "--kv-port", str(a.kv_port + k),
                 "--worker-id", f"{role}-{i}"] + pin + metrics
                 + _engine_flags(a, eng), env))
     placement = [arg for name in PLACEMENT_FLAGS

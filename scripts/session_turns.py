@@ -51,7 +51,7 @@ def main() -> None:
              "--decode-workers", "2", "--model", model, "--port", str(port),
              "--grpc-port", str(free_port()), "--router-port", str(free_port()),
              "--prefill-port", str(free_port()), "--decode-port", str(free_port_run(2)),
-             "--kv-port", str(free_port_run(6))], start_new_session=True)
+             "--kv-port", str(free_port_run(3))], start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 400
         while not healthy(url + "/health"):

@@ -162,7 +162,7 @@ class PdserveStack:
 
     def start(self) -> list[str]:
         self.ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
-        kv = free_port_run(4)          # side channels and KV-events ports of 2 workers
+        kv = free_port_run(2)          # NIXL side channels of the 2 workers
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up",
                "--model", self.model, "--port", str(self.ports["edge"]),
                "--grpc-port", str(self.ports["grpc"]), "--router-port", str(self.ports["router"]),

@@ -24,8 +24,10 @@ class EdgeMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens",
                                          ["model_name"], registry=r)
         self.kv_external_tokens = Counter(
-            "pdserve_kv_transferred_tokens", "Prompt tokens whose KV a decode worker pulled "
-            "from a prefill worker instead of computing", ["model_name"], registry=r)
+            "pdserve_kv_transferred_tokens", "Prompt tokens of P/D requests whose KV the "
+            "decode worker did not compute: pulled from the prefill worker, or held already "
+            "in its prefix cache (its vllm:external_prefix_cache_hits counts the pulled part)",
+            ["model_name"], registry=r)
         self.placements = Counter(
             "pdserve_placements", "Requests by the router's placement reason (remote, short, "
             "cached, no-prefill, prefill-saturated)", ["model_name", "reason"], registry=r)

@@ -54,6 +54,7 @@ class EngineProbes:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._models: dict[str, str] = {}
         self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
         self._feeds: dict[str, asyncio.Task] = {}          # worker id -> its event stream
         self._no_events: set[str] = set()                   # workers that publish none
         self._fed: set[str] = set()                         # workers whose feed sent a load
@@ -67,10 +68,19 @@ class EngineProbes:
         """Begin probing in the background."""
         self._task = asyncio.create_task(self._run(), name="engine-probes")
 
+    def wake(self) -> None:
+        """Run the next round now (a worker joined: follow its events from its first
+        request on, not from the next round)."""
+        self._wake.set()
+
     async def _run(self) -> None:
         while True:
+            self._wake.clear()
             await self.round()
-            await asyncio.sleep(self.interval)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
 
     async def round(self) -> None:
         """Probe every static worker; follow every live worker's events (or read its load)."""
@@ -92,6 +102,7 @@ class EngineProbes:
         stub = self._stub(entry.info.address)
         call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
             load_records_before_first_batch=True))
+        log.info("following the KV events of %s", wid)
         try:
             async for batch in call:
                 if batch.HasField("load"):

@@ -34,6 +34,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                              local_cached_fraction=cfg.local_cached_fraction,
                              prefill_saturated=cfg.prefill_saturated)
         self.index = PrefixIndex()                # kept by the workers' KV events
+        self.on_join = lambda: None               # called when a new worker registers
 
     async def Register(self, request, context):
         w = request.worker
@@ -43,6 +44,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if self.registry.register(w):
             log.info("worker up: %s %s at %s model=%s", ROLE_NAMES[w.role], w.worker_id,
                      w.address, w.model)
+            self.on_join()
         interval = int(self.cfg.worker_timeout_seconds * 1000 / 3)
         return router_pb2.RegisterResponse(heartbeat_interval_ms=interval)
 
@@ -78,6 +80,7 @@ async def serve(cfg: RouterConfig) -> None:
                     ["pdserve.v1.Router"])
     probes = EngineProbes(service.registry, list(cfg.static_workers),
                           cfg.worker_timeout_seconds / 3, service.index)
+    service.on_join = probes.wake
     await server.start()
     probes.start()
     log.info("router listening on %s:%d (%d static workers)", cfg.host, server.port,

@@ -7,6 +7,9 @@ out; everything HTTP/OpenAI shaped stays at the edge.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
+from pathlib import Path
 
 from pdserve.config import EngineConfig, KVTransferConfig
 from transfer.connector import engine_kv_config
@@ -14,22 +17,26 @@ from transfer.connector import engine_kv_config
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def kv_events_path() -> str:
+    """The Unix socket this process's engine publishes its KV-cache events on.
+
+    vLLM's publisher binds only wildcard TCP addresses (all interfaces) and ipc/inproc
+    ones; `tcp://127.0.0.1:PORT` makes it *connect*, and then the servicer's
+    subscriber, which connects too, never hears an event. A socket file keeps the
+    feed on this machine without opening a port. The gRPC servicer relays the
+    events to the router (`SubscribeKvEvents`)."""
+    return f"{tempfile.gettempdir()}/pdserve-kv-events-{os.getpid()}"
 
 
 class VllmEngine:
     """One in-process vLLM v1 engine (`AsyncLLM`) configured for a worker role."""
 
-    def __init__(self, cfg: EngineConfig, role: str, kv: KVTransferConfig | None,
-                 kv_events_port: int = 0):
+    def __init__(self, cfg: EngineConfig, role: str, kv: KVTransferConfig | None):
         from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.kv_events_path = kv_events_path()
         args = AsyncEngineArgs(
             model=cfg.model,
             served_model_name=[cfg.name],
@@ -39,16 +46,15 @@ class VllmEngine:
             max_num_seqs=cfg.max_num_seqs,
             seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size,
-            # Prefix caching on the prefill engines: a later turn computes only its
-            # new tokens. NOTE: off on decode engines for now: with it on, two
-            # concurrent requests pulling the same prompt's blocks over NIXL gave
-            # wrong tokens (tests/e2e/test_disaggregated_path.py, the concurrent
-            # streams test, fails). Stored/evicted blocks are published for the
-            # router's prefix index (loopback only).
-            enable_prefix_caching=role == "prefill",
+            # Prefix caching on both roles: a prefill engine computes only a
+            # later turn's new tokens, and a decode engine keeps the blocks of
+            # earlier turns, so a P/D pull moves only the blocks it lacks.
+            # Stored/evicted blocks are published for the router's prefix
+            # index (on this machine only, see kv_events_endpoint).
+            enable_prefix_caching=True,
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq",
-                endpoint=f"tcp://127.0.0.1:{kv_events_port or _free_port()}"),
+                endpoint=f"ipc://{self.kv_events_path}"),
             kv_transfer_config=engine_kv_config(role, kv) if kv else None,
             **({"kv_cache_memory_bytes": cfg.kv_cache_bytes} if cfg.device == "cpu"
                else {"gpu_memory_utilization": cfg.gpu_memory_utilization}),
@@ -65,6 +71,7 @@ class VllmEngine:
         """Stop the engine core process (idempotent)."""
         llm, self.llm = self.llm, None
         if llm is not None:
+            Path(self.kv_events_path).unlink(missing_ok=True)   # ZMQ leaves it behind
             llm.shutdown()
             # NOTE: dropping the last reference here runs AsyncLLM.__del__ (which
             # shuts down again) while modules are alive, not at interpreter exit.

@@ -26,7 +26,7 @@ _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER
 async def serve_worker(cfg: WorkerConfig) -> None:
     """Build the engine; serve vLLM's `VllmEngine` (and gRPC health, reflection) on
     one port; stay registered with the router until signalled."""
-    engine = VllmEngine(cfg.engine, cfg.role, cfg.kv, cfg.kv_events_port)
+    engine = VllmEngine(cfg.engine, cfg.role, cfg.kv)
     servicer = WorkerEngineServicer(engine, cfg.worker_id)
 
     def add_servicers(server) -> None:

@@ -113,7 +113,7 @@ def stack(model_dir, reference) -> Stack:
                             "--router-port",
                             str(ports["router"]), "--prefill-port", str(ports["prefill"]),
                             "--decode-port", str(ports["decode"]),
-                            "--kv-port", str(free_port_run(4)), "--model", str(model_dir),
+                            "--kv-port", str(free_port_run(2)), "--model", str(model_dir),
                             "--worker-metrics-port", str(metrics),
                             # Equality tests repeat prompts: keep them on the P/D path even
                             # when the decode worker holds them (tested on its own elsewhere).

@@ -1,9 +1,10 @@
 """A pool of two decode workers behind the router: sessions stay with their KV.
 
 `pdserve up --decode-workers 2` (both decode engines share one core here). Turn 2
-of a conversation lands on the decode worker that served turn 1; the prefill
-engine holds the history in its prefix cache, so its prefix-cache hits rise (it
-computes only the new tokens) and the first token comes sooner. Different
+of a conversation lands on the decode worker that served turn 1, which still
+holds turn 1's blocks: a short new message is prefilled right there (nothing
+travels) and the first token comes sooner; a long one is prefilled remotely from
+the prefill engine's cache, and the decode worker pulls only the blocks it lacks. Different
 sessions spread over both workers.
 """
 from __future__ import annotations
@@ -23,12 +24,14 @@ def pool(model_dir, reference):
                             "--grpc-port", str(ports["grpc"]), "--router-port", str(ports["router"]),
                             "--prefill-port", str(free_port()), "--decode-port",
                             str(free_port_run(2)),
-                            "--kv-port", str(free_port_run(6)), "--model", str(model_dir),
+                            "--kv-port", str(free_port_run(3)), "--model", str(model_dir),
                             "--worker-metrics-port", str(metrics)), name="pdserve-pool")
     try:
         proc.wait_for("pdserve ready", timeout=400)
         yield {"url": f"http://127.0.0.1:{ports['edge']}", "model": str(model_dir),
-               "prefill_metrics": f"http://127.0.0.1:{metrics}/metrics", "proc": proc}
+               "prefill_metrics": f"http://127.0.0.1:{metrics}/metrics", "proc": proc,
+               "decode_metrics": {f"decode-{i}": f"http://127.0.0.1:{metrics + 1 + i}/metrics"
+                                  for i in range(2)}}
     finally:
         assert proc.stop(timeout=90) == 0
 
@@ -37,18 +40,50 @@ def _chat(pool, messages, session: str) -> tuple[dict, str, float]:
     return chat_turn(pool["url"], pool["model"], messages, session)
 
 
-def test_turn_two_follows_the_session_and_prefills_from_its_cache(pool):
+def _counters(url: str) -> dict[str, float]:
+    return {name: metric_sum(url, f"vllm:{name}_total")
+            for name in ("prefix_cache_hits", "external_prefix_cache_hits")}
+
+
+def _since(url: str, before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before[k] for k, v in _counters(url).items()}
+
+
+def test_later_turns_follow_the_session_and_reuse_its_kv(pool):
     history = CASES[3].payload["messages"]                 # the long multi-turn case
     h1, reply, ttft1 = _chat(pool, history, "session-a")
     worker = h1["x-pdserve-worker"]
-    hits = pool["prefill_metrics"]
-    before = metric_sum(hits, "vllm:prefix_cache_hits_total")
+    prefill, decode = pool["prefill_metrics"], pool["decode_metrics"][worker]
+
+    # Turn 2, a short new message: the router knows from the decode engine's KV
+    # events that the worker holds most of the prompt, so the few new tokens are
+    # prefilled right there: nothing travels.
+    p0, d0 = _counters(prefill), _counters(decode)
     turn2 = history + [{"role": "assistant", "content": reply},
                        {"role": "user", "content": "And then?"}]
-    h2, _, ttft2 = _chat(pool, turn2, "session-a")
+    h2, reply2, ttft2 = _chat(pool, turn2, "session-a")
     assert h2["x-pdserve-worker"] == worker
-    assert metric_sum(hits, "vllm:prefix_cache_hits_total") - before >= 256
+    assert (h2["x-pdserve-placement"], h2["x-pdserve-path"]) == ("cached", "local")
+    d = _since(decode, d0)
+    assert d["prefix_cache_hits"] >= 512 and d["external_prefix_cache_hits"] == 0, d
+    assert _since(prefill, p0)["prefix_cache_hits"] == 0
     assert ttft2 < ttft1, (ttft1, ttft2)
+
+    # Turn 3, a long new message: prefilled remotely (the prefill engine computes
+    # only what its cache lacks), and the decode worker pulls only the blocks it
+    # lacks, reusing the history it holds.
+    p0, d0 = _counters(prefill), _counters(decode)
+    turn3 = turn2 + [{"role": "assistant", "content": reply2},
+                     {"role": "user", "content": CASES[0].payload["prompt"]}]
+    h3, _, _ = _chat(pool, turn3, "session-a")
+    assert h3["x-pdserve-worker"] == worker
+    assert (h3["x-pdserve-placement"], h3["x-pdserve-path"]) == ("remote", "disaggregated")
+    assert _since(prefill, p0)["prefix_cache_hits"] >= 512
+    d = _since(decode, d0)
+    assert d["prefix_cache_hits"] >= 512, d                  # the history, held
+    # Only the rest travelled (turn 2's tail, its reply, the new message: under 4 of
+    # the prompt's ~9 blocks).
+    assert 0 < d["external_prefix_cache_hits"] <= 4 * 128, d
 
 
 def test_sessions_spread_over_both_decode_workers(pool):

@@ -114,8 +114,13 @@ def test_decode_uses_the_transferred_kv_not_its_own(stack, model_dir):
         first, done = generate(prefill, "swap-a", a, 1, kv=request_params_for_prefill())
         params = json.loads(done.kv_transfer_params_json)
         assert len(params["remote_block_ids"][0]) == 4 and first[0] == local_a[0]
-        swapped, done = generate(decode, "swap-b-with-a", b, 12,
-                                 kv=request_params_for_decode(params))
+        try:
+            swapped, done = generate(decode, "swap-b-with-a", b, 12,
+                                     kv=request_params_for_decode(params))
+        finally:
+            # The decode engine now holds A's KV under B's block hashes, and B
+            # shares its first block with CASES[0]: later tests would hit it.
+            flush_prefix_cache(decode)
     assert done.cached_tokens >= len(a) - 1
     assert swapped == local_a
 

@@ -23,8 +23,6 @@ def test_pools_get_their_own_ports_ids_and_cores():
     workers = [plan[n] for n in list(plan)[1:-1]]
     assert [_flag(c, "--port") for c in workers] == ["50061", "50062", "50071", "50072", "50073"]
     assert [_flag(c, "--kv-port") for c in workers] == ["5600", "5601", "5602", "5603", "5604"]
-    assert [_flag(c, "--kv-events-port") for c in workers] == ["5605", "5606", "5607", "5608",
-                                                               "5609"]
     assert [_flag(c, "--metrics-port") for c in workers] == ["9000", "9001", "9002", "9003",
                                                              "9004"]
     assert [_flag(c, "--worker-id") for c in workers] == [
