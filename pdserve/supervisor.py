@@ -2,8 +2,10 @@
 
 Starts the router, N prefill and M decode workers (each engine on its own
 cores or GPUs, or sharing them when there are more engines than units) and
-the edge; prints one line when the edge reports healthy;
-on Ctrl-C/SIGTERM, or when any child dies, stops every process it started.
+the edge; prints one line when the edge reports healthy. A worker that dies
+once the stack is up is restarted (the pool serves on without it meanwhile; at
+most 3 times in 10 minutes); on Ctrl-C/SIGTERM, or when the router, the edge or
+a worker before the stack is up dies, it stops every process it started.
 Each child runs in its own session so that its engine subprocesses go with it.
 """
 from __future__ import annotations
@@ -129,6 +131,32 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
             p.wait()
 
 
+class _Restarts:
+    """A worker is restarted when it dies, at most `limit` times in `window` seconds:
+    one that keeps dying (bad flags, no memory) stops the stack instead."""
+
+    def __init__(self, limit: int = 3, window: float = 600.0):
+        self.limit, self.window = limit, window
+        self.times: dict[str, list[float]] = {}
+
+    def allow(self, name: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        recent = [t for t in self.times.get(name, []) if now - t < self.window]
+        self.times[name] = recent + [now]
+        return len(recent) < self.limit
+
+
+def _clean_up_after(proc: subprocess.Popen) -> None:
+    """What a dead worker leaves: the rest of its session (engine processes), and the
+    socket file its engine published KV events on."""
+    from services.worker.engine import kv_events_path
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    Path(kv_events_path(proc.pid)).unlink(missing_ok=True)
+
+
 def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     """Run until signalled; returns the exit code."""
     if not a.model:
@@ -138,18 +166,32 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     procs: dict[str, subprocess.Popen] = {}
+    commands = {name: (cmd, env) for name, cmd, env in _commands(a, eng)}
+    restarts = _Restarts()
     health = f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '') else a.host}:{a.port}/health"
+
+    def start(name: str) -> None:
+        cmd, env = commands[name]
+        procs[name] = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
+
     try:
-        for name, cmd, env in _commands(a, eng):
-            procs[name] = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
+        for name in commands:
+            start(name)
         ready_by = time.monotonic() + _READY_TIMEOUT_S
         ready = False
         while not stopping:
-            dead = [n for n, p in procs.items() if p.poll() is not None]
-            if dead:
-                print(f"pdserve: {', '.join(dead)} exited (code "
-                      f"{procs[dead[0]].returncode}); stopping the stack", file=sys.stderr)
-                return 1
+            for name in [n for n, p in procs.items() if p.poll() is not None]:
+                code = procs[name].returncode
+                _clean_up_after(procs[name])
+                if not ready or name in ("router", "edge") or not restarts.allow(name):
+                    print(f"pdserve: {name} exited (code {code}); stopping the stack",
+                          file=sys.stderr)
+                    return 1
+                # A pool carries on without one worker (the router stops offering it);
+                # the worker comes back on the same ports and registers again.
+                print(f"pdserve: {name} exited (code {code}); restarting it", file=sys.stderr,
+                      flush=True)
+                start(name)
             if not ready and healthy(health):
                 ready = True
                 print(f"pdserve ready: http://{a.host}:{a.port} (router 127.0.0.1:{a.router_port},"

@@ -21,6 +21,8 @@ every batch (running + waiting requests, sent at each scheduler step and as a
 heartbeat when idle) keeps its load current and tells the router when requests
 finish. A worker whose feed has not sent a load record (no events published:
 UNIMPLEMENTED, or not yet) has its load read with `GetLoads` once per round.
+A feed that breaks (UNAVAILABLE) takes its worker out of the registry at once:
+a dead worker stops being offered within milliseconds, not a heartbeat timeout.
 """
 from __future__ import annotations
 
@@ -115,6 +117,12 @@ class EngineProbes:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.info("worker %s publishes no KV events; polling GetLoads", wid)
                 self._no_events.add(wid)
+            elif e.code() == grpc.StatusCode.UNAVAILABLE:
+                # The connection broke: the worker died or its host went away. Stop
+                # offering it now rather than after its heartbeat timeout; a worker that
+                # is still alive registers again with its next heartbeat.
+                if self.registry.deregister(wid):
+                    log.warning("worker gone: %s (its KV-event stream broke)", wid)
             else:
                 log.warning("KV events of %s ended: %s", wid, e.code().name)
         finally:

@@ -17,15 +17,15 @@ from transfer.connector import engine_kv_config
 log = logging.getLogger(__name__)
 
 
-def kv_events_path() -> str:
+def kv_events_path(pid: int | None = None) -> str:
     """The Unix socket this process's engine publishes its KV-cache events on.
 
     vLLM's publisher binds only wildcard TCP addresses (all interfaces) and ipc/inproc
     ones; `tcp://127.0.0.1:PORT` makes it *connect*, and then the servicer's
     subscriber, which connects too, never hears an event. A socket file keeps the
     feed on this machine without opening a port. The gRPC servicer relays the
-    events to the router (`SubscribeKvEvents`)."""
-    return f"{tempfile.gettempdir()}/pdserve-kv-events-{os.getpid()}"
+    events to the router (`SubscribeKvEvents`). `pid`: the worker process (this one)."""
+    return f"{tempfile.gettempdir()}/pdserve-kv-events-{pid or os.getpid()}"
 
 
 class VllmEngine:

@@ -9,6 +9,14 @@ sessions spread over both workers.
 """
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import psutil
 import pytest
 
 from cases import CASES
@@ -90,3 +98,44 @@ def test_sessions_spread_over_both_decode_workers(pool):
     seen = {_chat(pool, [{"role": "user", "content": f"Tell me about the number {i}."}],
                   f"spread-{i}")[0]["x-pdserve-worker"] for i in range(8)}
     assert seen == {"decode-0", "decode-1"}
+
+
+def _workers(pool) -> set[str]:
+    """The workers the router offers, as the edge's /health lists them."""
+    try:
+        with urllib.request.urlopen(f"{pool['url']}/health", timeout=5) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as e:          # 503 while the pool is short of a worker
+        body = json.loads(e.read())
+    return {w["worker_id"] for w in body["workers"] if w["serving"]}
+
+
+def test_losing_a_decode_worker_moves_only_its_sessions(pool):
+    """Runs last: it kills decode-1 (the supervisor then restarts it)."""
+    turns = {f"loss-{i}": [{"role": "user", "content": f"Tell me about the number {i}."}]
+             for i in range(8)}
+    home = {}
+    for session, messages in turns.items():
+        headers, reply, _ = _chat(pool, messages, session)
+        home[session] = headers["x-pdserve-worker"]
+        turns[session] = messages + [{"role": "assistant", "content": reply},
+                                     {"role": "user", "content": "Go on."}]
+    assert set(home.values()) == {"decode-0", "decode-1"}
+
+    victim = next(c for c in psutil.Process(pool["proc"].popen.pid).children()
+                  if "decode-1" in c.cmdline())
+    os.killpg(victim.pid, signal.SIGKILL)               # a crash: no goodbye to the router
+    deadline = time.monotonic() + 10
+    while "decode-1" in _workers(pool) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "decode-1" not in _workers(pool)              # noticed at once, not after a timeout
+
+    for session, messages in turns.items():
+        headers, reply, _ = _chat(pool, messages, session)
+        assert reply
+        assert headers["x-pdserve-worker"] == "decode-0", session   # the survivor serves all...
+    # ... and only decode-1's sessions moved: decode-0's were there already.
+    moved = [s for s in turns if home[s] != "decode-0"]
+    assert 0 < len(moved) < len(turns)
+    pool["proc"].wait_for("decode-1 exited", timeout=30)
+    pool["proc"].wait_for("restarting it", timeout=30)

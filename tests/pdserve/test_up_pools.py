@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.cli import _config, _parser
-from pdserve.supervisor import _commands, _spread
+from pdserve.supervisor import _commands, _Restarts, _spread
 
 
 def _plan(*flags: str) -> dict[str, list[str]]:
@@ -51,3 +51,10 @@ def test_bad_pool_sizes_are_refused(flags):
     a = _parser().parse_args(["up", *flags])
     with pytest.raises(ValueError):
         _config(a)
+
+
+def test_a_worker_that_keeps_dying_is_not_restarted_forever():
+    r = _Restarts(limit=3, window=600)
+    assert [r.allow("decode-1", now=t) for t in (0, 10, 20, 30)] == [True, True, True, False]
+    assert r.allow("decode-0", now=30)                       # counted per worker
+    assert r.allow("decode-1", now=700)                      # the window has moved on

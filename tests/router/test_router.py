@@ -249,3 +249,29 @@ async def test_kv_events_feed_the_prefix_index_and_the_load():
         await probes.stop()
         await server.stop(0)
     assert probes.index.blocks_held(entry.info.worker_id) == 0     # forgotten when it ended
+
+
+async def test_a_worker_whose_event_stream_breaks_is_dropped_at_once():
+    engine = EventingEngine(list(range(40, 72)))
+    server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+        engine, s), [])
+    await server.start()
+    registry = WorkerRegistry(timeout=600.0)             # its heartbeat would keep it for minutes
+    address = f"127.0.0.1:{server.port}"
+    probes = EngineProbes(registry, [("decode", address)], interval=600.0)
+    try:
+        await probes.round()
+        for _ in range(50):
+            if probes.index.block_size:
+                break
+            await asyncio.sleep(0.05)
+        assert len(registry.serving(DECODE, "m")) == 1
+        await server.stop(0)                              # the worker goes away mid-stream
+        for _ in range(100):
+            if not registry.serving(DECODE, "m"):
+                break
+            await asyncio.sleep(0.02)
+        assert registry.serving(DECODE, "m") == []
+    finally:
+        await probes.stop()
+        await server.stop(0)
