@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -225,46 +226,42 @@ class EventingEngine(FakeEngine):
         await asyncio.sleep(30)
 
 
-async def test_kv_events_feed_the_prefix_index_and_the_load():
-    tokens = list(range(40, 72))
-    engine = EventingEngine(tokens)
+@contextlib.asynccontextmanager
+async def _followed_engine(tokens: list[int], registry_timeout: float):
+    """An engine that publishes `tokens`' blocks, probed and followed until the feed
+    has delivered them: (server, registry, probes)."""
     server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-        engine, s), [])
+        EventingEngine(tokens), s), [])
     await server.start()
-    registry = WorkerRegistry(timeout=6.0)
-    address = f"127.0.0.1:{server.port}"
-    probes = EngineProbes(registry, [("decode", address)], interval=2.0)
+    registry = WorkerRegistry(timeout=registry_timeout)
+    probes = EngineProbes(registry, [("decode", f"127.0.0.1:{server.port}")], interval=600.0)
     try:
         await probes.round()
         for _ in range(50):
             if probes.index.block_size:
                 break
             await asyncio.sleep(0.05)
+        yield server, registry, probes
+    finally:
+        await probes.stop()
+        await server.stop(0)
+
+
+async def test_kv_events_feed_the_prefix_index_and_the_load():
+    tokens = list(range(40, 72))
+    async with _followed_engine(tokens, registry_timeout=6.0) as (_, registry, probes):
         [entry] = registry.serving(DECODE, "m")
         assert entry.load == 3 and probes.index.block_size == 4
         keys = block_keys(tokens + [1, 2], 4)
         assert probes.index.matched_blocks(keys, [entry.info.worker_id]) == {
             entry.info.worker_id: 8}
-    finally:
-        await probes.stop()
-        await server.stop(0)
     assert probes.index.blocks_held(entry.info.worker_id) == 0     # forgotten when it ended
 
 
 async def test_a_worker_whose_event_stream_breaks_is_dropped_at_once():
-    engine = EventingEngine(list(range(40, 72)))
-    server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-        engine, s), [])
-    await server.start()
-    registry = WorkerRegistry(timeout=600.0)             # its heartbeat would keep it for minutes
-    address = f"127.0.0.1:{server.port}"
-    probes = EngineProbes(registry, [("decode", address)], interval=600.0)
-    try:
-        await probes.round()
-        for _ in range(50):
-            if probes.index.block_size:
-                break
-            await asyncio.sleep(0.05)
+    # A registry timeout of 10 minutes: only the broken stream can drop it in time.
+    async with _followed_engine(list(range(40, 72)), registry_timeout=600.0) as (
+            server, registry, _):
         assert len(registry.serving(DECODE, "m")) == 1
         await server.stop(0)                              # the worker goes away mid-stream
         for _ in range(100):
@@ -272,6 +269,3 @@ async def test_a_worker_whose_event_stream_breaks_is_dropped_at_once():
                 break
             await asyncio.sleep(0.02)
         assert registry.serving(DECODE, "m") == []
-    finally:
-        await probes.stop()
-        await server.stop(0)
