@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from pdserve.bench.deployments import free_port, free_port_run  # noqa: F401 (one source)
+from pdserve.bench.deployments import free_port, free_port_run, metric_sum  # noqa: F401 (one source)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "tiny-llama"
@@ -64,16 +64,6 @@ class Proc:
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait()
             raise AssertionError(f"{self.name} did not stop within {timeout}s of SIGTERM")
-
-
-def metric_sum(url: str, name: str, labels: str = "") -> float:
-    """Sum of the Prometheus samples of `name` at `url` whose labels contain `labels`."""
-    import re
-    import urllib.request
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = r.read().decode()
-    values = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", body, re.M)
-    return sum(float(v) for found, v in values if labels in found)
 
 
 def pdserve_cmd(*args: str) -> list[str]:

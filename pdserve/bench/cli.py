@@ -4,6 +4,8 @@
     pdserve bench compare [--quick] [--json]        P/D vs colocated, side by side
     pdserve bench gateways [--json]                 pdserve's edge vs SMG on the same workers
     pdserve bench router [--json]                   placement replayed on a chat trace (simulator)
+    pdserve bench sessions [--json]                 multi-turn chat on 2 decode workers: pdserve
+                                                    vs SMG cache_aware / consistent_hashing
 """
 from __future__ import annotations
 
@@ -200,6 +202,36 @@ def _router(argv: list[str]) -> int:
     return 0
 
 
+def _sessions(argv: list[str]) -> int:
+    from pdserve.cli import DEFAULT_MODEL_DIR
+    from pdserve.tiny_model import ensure_tiny_model
+
+    from .deployments import Hardware
+    from .sessions import compare_sessions, table
+
+    p = argparse.ArgumentParser(prog="pdserve bench sessions",
+                                description="Multi-turn chat sessions through pdserve and SMG "
+                                            "(cache_aware, consistent_hashing) in front of the "
+                                            "same prefill worker and 2 decode workers.")
+    p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=4, help="sessions at once")
+    p.add_argument("--reps", type=int, default=2, help="alternating repetitions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if min(a.sessions, a.turns, a.concurrency, a.reps) < 1:
+        print("pdserve bench sessions: every count must be >= 1", file=sys.stderr)
+        return 2
+    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
+    with contextlib.redirect_stdout(sys.stderr):
+        result = compare_sessions(model, a.sessions, a.turns, a.concurrency, a.reps, a.seed, hw)
+    print(json.dumps(result) if a.json else table(result))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Dispatch `pdserve bench <what> ...`."""
     if argv[:1] == ["serve"]:
@@ -210,5 +242,7 @@ def main(argv: list[str]) -> int:
         return _compare(argv[1:])
     if argv[:1] == ["router"]:
         return _router(argv[1:])
+    if argv[:1] == ["sessions"]:
+        return _sessions(argv[1:])
     print(__doc__.strip(), file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -74,6 +74,16 @@ def free_port_run(n: int) -> int:
     raise RuntimeError(f"no run of {n} free ports")
 
 
+def metric_sum(url: str, name: str, labels: str = "") -> float:
+    """Sum of the Prometheus samples of `name` at `url` whose labels contain `labels`."""
+    import re
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = r.read().decode()
+    values = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", body, re.M)
+    return sum(float(v) for found, v in values if labels in found)
+
+
 def _spec(units: list[int]) -> str:
     return ",".join(map(str, units))
 
@@ -151,24 +161,31 @@ class _Children:
 class PdserveStack:
     """`pdserve up` on free loopback ports."""
 
-    def __init__(self, label: str, model: str, local_prefill_below: int, hw: Hardware):
+    def __init__(self, label: str, model: str, local_prefill_below: int, hw: Hardware,
+                 decode_workers: int = 1):
         self.label = label
         self.model = model
         self.local_prefill_below = local_prefill_below
         self.hw = hw
+        self.decode_workers = decode_workers
         self.children = _Children(label)
         self.urls: list[str] = []
         self.ports: dict[str, int] = {}
 
     def start(self) -> list[str]:
-        self.ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
-        kv = free_port_run(2)          # NIXL side channels of the 2 workers
+        n = 1 + self.decode_workers
+        self.ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill")}
+        self.ports |= {"decode": free_port_run(self.decode_workers),
+                       "metrics": free_port_run(n)}
+        kv = free_port_run(n)          # NIXL side channels of the workers
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up",
                "--model", self.model, "--port", str(self.ports["edge"]),
                "--grpc-port", str(self.ports["grpc"]), "--router-port", str(self.ports["router"]),
                "--prefill-port", str(self.ports["prefill"]),
                "--decode-port", str(self.ports["decode"]), "--kv-port", str(kv),
                "--local-prefill-below", str(self.local_prefill_below),
+               "--decode-workers", str(self.decode_workers),
+               "--worker-metrics-port", str(self.ports["metrics"]),
                "--max-model-len", str(self.hw.max_model_len)]
         pre, dec = self.hw.halves()
         if self.hw.device == "cuda":
@@ -179,6 +196,17 @@ class PdserveStack:
         self.urls = [f"http://127.0.0.1:{self.ports['edge']}"]
         self.children.wait_healthy([u + "/health" for u in self.urls])
         return self.urls
+
+    def worker_addresses(self, role: str) -> list[str]:
+        """gRPC addresses of the prefill worker or of every decode worker."""
+        count = 1 if role == "prefill" else self.decode_workers
+        return [f"127.0.0.1:{self.ports[role] + i}" for i in range(count)]
+
+    @property
+    def decode_metrics(self) -> list[str]:
+        """The decode engines' vllm:* metrics URLs (the prefill's comes first)."""
+        return [f"http://127.0.0.1:{self.ports['metrics'] + 1 + i}/metrics"
+                for i in range(self.decode_workers)]
 
     def gateway_pids(self) -> list[int]:
         """The edge and router processes (what sits between clients and workers)."""
@@ -231,11 +259,13 @@ class SmgGateway:
     """The Shepherd Model Gateway (`smg launch --pd-disaggregation`) in front of
     already-running prefill and decode workers, over vLLM's engine protocol."""
 
-    def __init__(self, label: str, model: str, prefill: str, decode: str):
+    def __init__(self, label: str, model: str, prefill: str | list[str],
+                 decode: str | list[str], policy: str = ""):
         self.label = label
         self.model = model
-        self.prefill = prefill
-        self.decode = decode
+        self.prefill = [prefill] if isinstance(prefill, str) else prefill
+        self.decode = [decode] if isinstance(decode, str) else decode
+        self.policy = policy
         self.children = _Children(label)
         self.urls: list[str] = []
 
@@ -244,7 +274,9 @@ class SmgGateway:
         port = free_port()
         self.children.start(
             [str(exe) if exe.exists() else "smg", "launch", "--pd-disaggregation",
-             "--prefill", f"grpc://{self.prefill}", "--decode", f"grpc://{self.decode}",
+             *[arg for a in self.prefill for arg in ("--prefill", f"grpc://{a}")],
+             *[arg for a in self.decode for arg in ("--decode", f"grpc://{a}")],
+             *(["--policy", self.policy] if self.policy else []),
              "--host", "127.0.0.1", "--port", str(port), "--model-path", self.model,
              # its metrics server binds 0.0.0.0:29000 unless told otherwise
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),

@@ -66,8 +66,8 @@ def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
     try:
         progress("starting pdserve up")
         edge = stack.start()
-        smg = SmgGateway("smg", model, f"127.0.0.1:{stack.ports['prefill']}",
-                         f"127.0.0.1:{stack.ports['decode']}")
+        smg = SmgGateway("smg", model, stack.worker_addresses("prefill"),
+                         stack.worker_addresses("decode"))
         progress("starting smg")
         smg_urls = smg.start()
         res = asyncio.run(_runs({"pdserve": (edge, stack.gateway_pids()),
