@@ -218,16 +218,18 @@ def _sessions(argv: list[str]) -> int:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=4, help="sessions at once")
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions")
+    p.add_argument("--balance", type=float, default=1.25, help="pdserve's bounded-load factor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if min(a.sessions, a.turns, a.concurrency, a.reps) < 1:
-        print("pdserve bench sessions: every count must be >= 1", file=sys.stderr)
+    if min(a.sessions, a.turns, a.concurrency, a.reps) < 1 or a.balance < 1:
+        print("pdserve bench sessions: every count and --balance must be >= 1", file=sys.stderr)
         return 2
     model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
     hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
     with contextlib.redirect_stdout(sys.stderr):
-        result = compare_sessions(model, a.sessions, a.turns, a.concurrency, a.reps, a.seed, hw)
+        result = compare_sessions(model, a.sessions, a.turns, a.concurrency, a.reps, a.seed, hw,
+                                  balance=a.balance)
     print(json.dumps(result) if a.json else table(result))
     return 0
 

@@ -162,12 +162,13 @@ class PdserveStack:
     """`pdserve up` on free loopback ports."""
 
     def __init__(self, label: str, model: str, local_prefill_below: int, hw: Hardware,
-                 decode_workers: int = 1):
+                 decode_workers: int = 1, placement: tuple[str, ...] = ()):
         self.label = label
         self.model = model
         self.local_prefill_below = local_prefill_below
         self.hw = hw
         self.decode_workers = decode_workers
+        self.placement = placement      # more of the router's flags (e.g. --balance 2)
         self.children = _Children(label)
         self.urls: list[str] = []
         self.ports: dict[str, int] = {}
@@ -185,7 +186,7 @@ class PdserveStack:
                "--decode-port", str(self.ports["decode"]), "--kv-port", str(kv),
                "--local-prefill-below", str(self.local_prefill_below),
                "--decode-workers", str(self.decode_workers),
-               "--worker-metrics-port", str(self.ports["metrics"]),
+               "--worker-metrics-port", str(self.ports["metrics"]), *self.placement,
                "--max-model-len", str(self.hw.max_model_len)]
         pre, dec = self.hw.halves()
         if self.hw.device == "cuda":

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import aiohttp
 import grpc
 import numpy as np
-from smg_grpc_proto import vllm_engine_pb2_grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from pdserve.tiny_model import synthetic_corpus
@@ -109,11 +109,24 @@ async def _run(url: str, model: str, convs: list[Conversation], concurrency: int
 
 
 def _flush(addresses: list[str]) -> None:
-    """Empty every engine's prefix cache, so that each gateway starts cold."""
+    """Empty every engine's prefix cache, so that each gateway starts cold.
+
+    An engine publishes the flush (`AllBlocksCleared`) with its next scheduler
+    step, not at once; an idle engine would leave pdserve's router believing the
+    old blocks are still held until the first request of the next run. So each
+    engine then runs one 1-token request, and the router gets a moment to hear it.
+    """
     for address in addresses:
         with grpc.insecure_channel(address) as ch:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(ch)
             stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=15)
+            step = vllm_engine_pb2.GenerateRequest(
+                request_id=f"flush-{address}-{time.monotonic_ns()}",
+                tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2]),
+                sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=1), stream=False)
+            for _ in stub.Generate(step, timeout=60):
+                pass
+    time.sleep(1.0)
 
 
 def _decode_cache(urls: list[str]) -> tuple[float, float]:
@@ -144,10 +157,11 @@ def _figures(runs: list[dict], hits: float, queries: float) -> dict:
 
 
 def compare_sessions(model: str, sessions: int, turns: int, concurrency: int, reps: int,
-                     seed: int, hw: Hardware, max_tokens: int = 16) -> dict:
+                     seed: int, hw: Hardware, max_tokens: int = 16, balance: float = 1.25
+                     ) -> dict:
     """Start the pool and both SMGs, run every gateway `reps` times, stop all."""
     stack = PdserveStack("sessions", model, local_prefill_below=32, hw=hw,
-                         decode_workers=DECODE_WORKERS)
+                         decode_workers=DECODE_WORKERS, placement=("--balance", str(balance)))
     smgs: dict[str, SmgGateway] = {}
     try:
         progress(f"starting pdserve up --decode-workers {DECODE_WORKERS}")
@@ -186,7 +200,7 @@ def compare_sessions(model: str, sessions: int, turns: int, concurrency: int, re
     return {"workload": f"{sessions} sessions x {turns} turns (3 shared ~400-token system "
                         f"prompts, ~150-token first message, ~30-token later ones, "
                         f"{max_tokens} out), {concurrency} sessions at once, {reps} reps, "
-                        f"{DECODE_WORKERS} decode workers",
+                        f"{DECODE_WORKERS} decode workers, pdserve --balance {balance}",
             "gateways": out, "targets": _targets(out)}
 
 
