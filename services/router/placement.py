@@ -20,8 +20,10 @@ The policy, in order:
    prefill-saturated, remote.
 
 Every input is either the request or state every router replica receives
-alike (worker reports, KV events); only the count of requests placed since the
-last report is a replica's own.
+alike (worker reports, KV events); a replica's own are the count of requests
+placed since the last report and the prefixes it placed that the engines have
+not reported yet (`PrefixIndex.placed`): two replicas agree again once the
+workers' next events arrive, within a step of the engines.
 """
 from __future__ import annotations
 
@@ -97,6 +99,10 @@ def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy
     cached = min(prompt - 1, held[decode.info.worker_id] * block)
     prefill, reason = _prefill(registry, req, policy, prompt, cached, exclude, matched, block,
                                len(keys))
+    if keys:
+        index.placed(decode.info.worker_id, keys, held[decode.info.worker_id])
+        if prefill is not None:
+            index.placed(prefill.info.worker_id, keys)
     decision = router_pb2.RouteDecision(decode=decode.info, local_prefill=prefill is None,
                                         reason=reason, cached_tokens=cached)
     if prefill is not None:

@@ -13,6 +13,7 @@ maps each engine hash to the router's key, so a removal finds its block.
 from __future__ import annotations
 
 import functools
+import time
 from collections import defaultdict
 from typing import Iterable, Sequence
 
@@ -69,12 +70,55 @@ def block_keys(token_ids, block_size: int) -> list[int]:
 
 class PrefixIndex:
     """Block keys per worker, kept from stored/removed events. The block size is the
-    engines' (all workers of a model share it); 0 until the first event tells it."""
+    engines' (all workers of a model share it); 0 until the first event tells it.
 
-    def __init__(self, block_size: int = 0):
+    A prompt just placed on a worker counts as held there at once (`placed`),
+    before the engine has computed it and published its blocks: otherwise a burst
+    of requests sharing a system prompt would scatter, each placed before the
+    first one's blocks are reported. Such a provisional entry ends when the
+    engine's `BlockStored` confirms it, or after `provisional_ttl` seconds.
+    """
+
+    def __init__(self, block_size: int = 0, provisional_ttl: float = 10.0,
+                 clock=time.monotonic):
         self.block_size = block_size
+        self.provisional_ttl = provisional_ttl
+        self.clock = clock
         self._holders: dict[int, set[str]] = defaultdict(set)      # key -> workers
         self._engine_keys: dict[str, dict[int, int]] = defaultdict(dict)  # worker: hash -> key
+        # worker -> {key: expiry}, oldest first (keys placed but not yet reported)
+        self._provisional: dict[str, dict[int, float]] = defaultdict(dict)
+
+    def placed(self, worker: str, keys: Sequence[int], held: int = 0) -> None:
+        """`worker` was just given a prompt with these block keys, of which it holds the
+        first `held` already."""
+        now = self.clock()
+        for w in list(self._provisional):
+            self._expire(w, now)
+        pending, until = self._provisional[worker], now + self.provisional_ttl
+        for key in keys[held:]:
+            holders = self._holders[key]
+            if worker in holders and key not in pending:
+                continue                              # reported already
+            holders.add(worker)
+            pending.pop(key, None)                    # re-placed: to the back of the line
+            pending[key] = until
+
+    def _expire(self, worker: str, now: float) -> None:
+        pending = self._provisional.get(worker)
+        while pending:
+            key, until = next(iter(pending.items()))
+            if until > now:
+                return
+            del pending[key]
+            self._drop(key, worker)
+
+    def _drop(self, key: int, worker: str) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(worker)
+            if not holders:
+                del self._holders[key]
 
     def stored(self, worker: str, parent_hash: int | None,
                blocks: Iterable[tuple[int, Sequence[int]]]) -> None:
@@ -92,6 +136,7 @@ class PrefixIndex:
             parent = chain(parent, content_hash(tokens))
             keys[engine_hash] = parent
             self._holders[parent].add(worker)
+            self._provisional[worker].pop(parent, None)     # confirmed
 
     def removed(self, worker: str, engine_hashes: Iterable[int]) -> None:
         """Blocks the worker evicted."""
@@ -99,16 +144,14 @@ class PrefixIndex:
         for h in engine_hashes:
             key = keys.pop(h, None)
             if key is not None:
-                holders = self._holders.get(key)
-                if holders is not None:
-                    holders.discard(worker)
-                    if not holders:
-                        del self._holders[key]
+                self._drop(key, worker)
 
     def forget(self, worker: str) -> None:
         """The worker's cache is gone (cleared, restarted, or the worker left)."""
         self.removed(worker, list(self._engine_keys.get(worker, {})))
         self._engine_keys.pop(worker, None)
+        for key in self._provisional.pop(worker, {}):
+            self._drop(key, worker)
 
     def matched_blocks(self, keys: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
         """For each worker, how many leading blocks of `keys` it holds."""

@@ -62,6 +62,29 @@ def test_index_follows_stored_and_removed_events():
     assert index.matched_blocks(keys, ["d1", "d2"]) == {"d1": 0, "d2": 0}
 
 
+def test_a_placed_prompt_counts_as_held_until_reported_or_expired():
+    now = [0.0]
+    index = PrefixIndex(BLOCK, provisional_ttl=10.0, clock=lambda: now[0])
+    ids = list(range(12))
+    keys = block_keys(ids, BLOCK)
+    index.placed("d0", keys)
+    assert index.matched_blocks(keys, ["d0", "d1"]) == {"d0": 3, "d1": 0}
+    _store(index, "d0", ids[:8])                                  # the engine reports 2 of 3
+    now[0] = 11.0
+    index.placed("d1", keys[:1])                                  # any call expires old ones
+    assert index.matched_blocks(keys, ["d0", "d1"]) == {"d0": 2, "d1": 1}
+    index.forget("d1")
+    assert index.matched_blocks(keys, ["d1"]) == {"d1": 0}
+
+
+def test_a_burst_sharing_a_system_prompt_stays_together_before_any_event():
+    reg, index = _registry(4), PrefixIndex(BLOCK)
+    system = list(range(100, 400))
+    chosen = {place(reg, _req(system + [i] * 8), Policy(balance=4.0), index)[1].info.worker_id
+              for i in range(6)}
+    assert len(chosen) == 1                                       # no events yet, still one home
+
+
 def test_the_worker_holding_the_prefix_wins_without_a_session():
     reg, index = _registry(3), PrefixIndex(BLOCK)
     ids = list(range(400))
