@@ -269,3 +269,43 @@ async def test_a_worker_whose_event_stream_breaks_is_dropped_at_once():
                 break
             await asyncio.sleep(0.02)
         assert registry.serving(DECODE, "m") == []
+
+
+async def test_two_router_replicas_fed_the_same_reports_decide_alike():
+    """What a replica places depends only on the workers' reports (and, until the engines
+    report them, on the prompts it placed itself): two replicas following the same
+    engines, asked the same requests, give the same answers."""
+    published = {"a": list(range(40, 72)), "b": list(range(200, 232))}
+    servers = {}
+    for name, tokens in published.items():
+        servers[name] = Server("127.0.0.1", 0, lambda s, t=tokens:
+                               vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+                                   EventingEngine(t), s), [])
+        await servers[name].start()
+    static = [("decode", f"127.0.0.1:{s.port}") for s in servers.values()]
+    replicas = [EngineProbes(WorkerRegistry(timeout=60.0), static, interval=600.0)
+                for _ in range(2)]
+    try:
+        for probes in replicas:
+            await probes.round()
+            for _ in range(100):
+                if all(probes.index.blocks_held(f"decode@{a}") for _, a in static):
+                    break
+                await asyncio.sleep(0.05)
+        requests = ([published["a"] + [1, 2], published["b"] + [3]]
+                    + [[i] * 20 + published["a"] for i in range(6)])
+        answers = []
+        for probes in replicas:
+            answers.append([
+                (d.decode.worker_id, d.local_prefill, d.reason, d.cached_tokens)
+                for d, _, _ in (place(probes.registry, router_pb2.RouteRequest(
+                    model="m", prompt_token_ids=ids, session_id=f"s{i % 3}"),
+                    Policy(), probes.index) for i, ids in enumerate(requests))])
+        assert answers[0] == answers[1]
+        assert answers[0][0][0] == f"decode@{static[0][1]}" and answers[0][0][3] == 32
+        assert answers[0][1][0] == f"decode@{static[1][1]}"
+    finally:
+        for probes in replicas:
+            await probes.stop()
+        for s in servers.values():
+            await s.stop(0)
