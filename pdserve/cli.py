@@ -55,9 +55,10 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-cached-fraction", type=float, default=0.8,
                    help="prefill on the decode worker when it holds this much of the prompt "
                         "(1: never for that reason)")
-    g.add_argument("--prefill-saturated", type=int, default=0,
-                   help="a prefill worker with this many requests in flight takes no more "
-                        "(0: off; stock engines' GetLoads counts made it misfire)")
+    g.add_argument("--prefill-saturated", type=int, default=2,
+                   help="a prefill worker with this many requests in flight (as its engine's "
+                        "event stream reports them) takes no more: the decode worker prefills "
+                        "(0: off)")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:

@@ -109,7 +109,7 @@ class RouterConfig:
     static_workers: tuple[tuple[str, str], ...] = ()
     balance: float = 1.25                # no decode worker over this x the mean load
     local_cached_fraction: float = 0.8   # decode worker holds this much of the prompt: local
-    prefill_saturated: int = 0           # requests in flight that make a prefill worker full; 0 off
+    prefill_saturated: int = 2           # requests in flight that make a prefill worker full; 0 off
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)

@@ -65,7 +65,8 @@ def _summary(result, tokenizer, mixes: dict[str, SLO]) -> dict:
 
 def _deployments(model: str, conditional_below: int, hw: Hardware) -> list:
     lower, upper = hw.halves()
-    return [("disaggregated", PdserveStack("disaggregated", model, 0, hw)),
+    return [("disaggregated", PdserveStack("disaggregated", model, 0, hw,
+                                           placement=("--prefill-saturated", "0"))),
             ("conditional", PdserveStack("conditional", model, conditional_below, hw)),
             ("colocated_1x2", StockVllm("colocated_1x2", model, [list(hw.units)], hw)),
             ("colocated_2x1", StockVllm("colocated_2x1", model, [lower, upper], hw))]

@@ -61,7 +61,9 @@ def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
     """Start the stack and SMG, measure both, stop both; the result object."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
-    stack = PdserveStack("gateways", model, local_prefill_below=0, hw=hw)
+    # Every prompt prefilled remotely, as SMG does: the same path through both.
+    stack = PdserveStack("gateways", model, local_prefill_below=0, hw=hw,
+                         placement=("--prefill-saturated", "0"))
     smg = None
     try:
         progress("starting pdserve up")

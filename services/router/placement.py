@@ -14,7 +14,8 @@ The policy, in order:
 3. **Conditional disaggregation.** Remote prefill unless the decode worker
    already holds most of the prompt (`local_cached_fraction`), the uncached
    part is short (`local_below_tokens`), no prefill worker serves, or every
-   prefill worker is saturated (`prefill_saturated` requests in flight). The
+   prefill worker is saturated (`prefill_saturated` requests in flight, by the
+   load its engine pushes; then the idle decode engine prefills). The
    prefill worker is the least-cost one by the same formula. The reason starts
    with one word the edge counts by: short, cached, no-prefill,
    prefill-saturated, remote.
@@ -48,7 +49,7 @@ class Policy:
     balance: float = 1.25               # CHWBL's c: max load over mean load
     local_below_tokens: int = 32        # fewer uncached tokens than this: prefill locally
     local_cached_fraction: float = 0.8  # decode worker holds this much of the prompt: local
-    prefill_saturated: int = 0          # a prefill worker with this many requests is full (0: off)
+    prefill_saturated: int = 2          # a prefill worker with this many requests is full (0: off)
     load_tokens: int = 256              # one request in flight costs this many tokens to prefill
 
 
@@ -121,8 +122,10 @@ def _prefill(registry, req, policy: Policy, prompt: int, cached: int, exclude, m
     prefillers = registry.serving(common_pb2.WORKER_ROLE_PREFILL, req.model, exclude)
     if not prefillers:
         return None, "no-prefill: no prefill worker serves"
-    free = [e for e in prefillers
-            if not policy.prefill_saturated or load(e) < policy.prefill_saturated]
+    # Only a load the engine pushes is fresh enough to call a worker full: a polled
+    # one (read every few seconds) plus what was placed since overstates it.
+    free = [e for e in prefillers if not (policy.prefill_saturated and e.load_pushed
+                                          and load(e) >= policy.prefill_saturated)]
     if not free:
         return None, (f"prefill-saturated: every prefill worker has >= "
                       f"{policy.prefill_saturated} requests")

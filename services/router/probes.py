@@ -110,6 +110,7 @@ class EngineProbes:
                 if batch.HasField("load"):
                     entry.load = batch.load.running_requests + batch.load.waiting_requests
                     entry.pending = 0
+                    entry.load_pushed = True
                     self._fed.add(wid)
                 for event in batch.events:
                     self._apply(wid, event)
@@ -127,6 +128,7 @@ class EngineProbes:
                 log.warning("KV events of %s ended: %s", wid, e.code().name)
         finally:
             self._fed.discard(wid)
+            entry.load_pushed = False
             self.index.forget(wid)          # the next subscription starts from its state
             if self._feeds.get(wid) is asyncio.current_task():
                 del self._feeds[wid]

@@ -21,6 +21,7 @@ class WorkerEntry:
     routed: int = 0                  # requests placed here (spreads load round-robin)
     load: int = 0                    # running + waiting on its engine, as last reported
     pending: int = 0                 # requests placed here since that report
+    load_pushed: bool = False        # `load` comes from the engine's event stream (fresh)
 
 
 class WorkerRegistry:

@@ -115,9 +115,10 @@ def stack(model_dir, reference) -> Stack:
                             "--decode-port", str(ports["decode"]),
                             "--kv-port", str(free_port_run(2)), "--model", str(model_dir),
                             "--worker-metrics-port", str(metrics),
-                            # Equality tests repeat prompts: keep them on the P/D path even
-                            # when the decode worker holds them (tested on its own elsewhere).
-                            "--local-cached-fraction", "1"),
+                            # Equality tests repeat prompts, and send 8 at once: keep them
+                            # on the P/D path even when the decode worker holds them or the
+                            # prefill worker is busy (placement has tests of its own).
+                            "--local-cached-fraction", "1", "--prefill-saturated", "0"),
                 name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",

@@ -125,6 +125,9 @@ def test_saturated_or_missing_prefill_pool_means_local_prefill():
     [p] = reg.serving(PREFILL)
     p.load = 8
     d, _, prefill = place(reg, _req(ids), Policy(prefill_saturated=8), PrefixIndex(BLOCK))
+    assert prefill is not None                    # a polled load is not trusted to say "full"
+    p.load_pushed = True
+    d, _, prefill = place(reg, _req(ids), Policy(prefill_saturated=8), PrefixIndex(BLOCK))
     assert prefill is None and "every prefill worker" in d.reason
     d, _, prefill = place(reg, _req(ids, exclude_workers=["p0"]), Policy(), PrefixIndex(BLOCK))
     assert prefill is None and "no prefill worker" in d.reason
