@@ -59,7 +59,6 @@ class EngineProbes:
         self._wake = asyncio.Event()
         self._feeds: dict[str, asyncio.Task] = {}          # worker id -> its event stream
         self._no_events: set[str] = set()                   # workers that publish none
-        self._fed: set[str] = set()                         # workers whose feed sent a load
 
     def _stub(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
         if address not in self._channels:
@@ -95,8 +94,8 @@ class EngineProbes:
             if wid not in self._feeds and wid not in self._no_events:
                 self._feeds[wid] = asyncio.create_task(self._follow(entry),
                                                        name=f"kv-events-{wid}")
-        await asyncio.gather(*(self.read_load(e) for w, e in live.items()
-                               if w not in self._fed))
+        await asyncio.gather(*(self.read_load(e) for e in live.values()
+                               if not e.load_pushed))
 
     async def _follow(self, entry: WorkerEntry) -> None:
         """Apply one worker's KV events and load records until its stream ends."""
@@ -111,7 +110,6 @@ class EngineProbes:
                     entry.load = batch.load.running_requests + batch.load.waiting_requests
                     entry.pending = 0
                     entry.load_pushed = True
-                    self._fed.add(wid)
                 for event in batch.events:
                     self._apply(wid, event)
         except grpc.aio.AioRpcError as e:
@@ -127,7 +125,6 @@ class EngineProbes:
             else:
                 log.warning("KV events of %s ended: %s", wid, e.code().name)
         finally:
-            self._fed.discard(wid)
             entry.load_pushed = False
             self.index.forget(wid)          # the next subscription starts from its state
             if self._feeds.get(wid) is asyncio.current_task():
@@ -171,7 +168,7 @@ class EngineProbes:
                 vllm_engine_pb2.GetLoadsRequest(), timeout=2.0)
         except grpc.aio.AioRpcError:
             return
-        if entry.info.worker_id in self._fed:
+        if entry.load_pushed:
             return                          # its event stream reported meanwhile: newer
         entry.load = sum(s.num_running_reqs + s.num_waiting_reqs for s in resp.loads)
         entry.pending = 0

@@ -50,7 +50,7 @@ class VllmEngine:
             # later turn's new tokens, and a decode engine keeps the blocks of
             # earlier turns, so a P/D pull moves only the blocks it lacks.
             # Stored/evicted blocks are published for the router's prefix
-            # index (on this machine only, see kv_events_endpoint).
+            # index (on this machine only, see kv_events_path).
             enable_prefix_caching=True,
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq",
