@@ -46,16 +46,20 @@ PLACEMENT_FLAGS = ("local_prefill_below", "balance", "local_cached_fraction", "p
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:
-    """The router's placement policy (on `router`, and passed through by `up`)."""
+    """The router's placement policy (on `router`, and passed through by `up`); the
+    defaults are RouterConfig's."""
     g = p.add_argument_group("placement (router)")
-    g.add_argument("--local-prefill-below", type=int, default=32,
+    d = RouterConfig()
+    g.add_argument("--local-prefill-below", type=int,
+                   default=d.local_prefill_below_tokens,
                    help="prefill on the decode worker when fewer tokens than this are uncached")
-    g.add_argument("--balance", type=float, default=1.25,
+    g.add_argument("--balance", type=float, default=d.balance,
                    help="bounded load: no decode worker takes more than this x the mean")
-    g.add_argument("--local-cached-fraction", type=float, default=0.8,
+    g.add_argument("--local-cached-fraction", type=float,
+                   default=d.local_cached_fraction,
                    help="prefill on the decode worker when it holds this much of the prompt "
                         "(1: never for that reason)")
-    g.add_argument("--prefill-saturated", type=int, default=2,
+    g.add_argument("--prefill-saturated", type=int, default=d.prefill_saturated,
                    help="a prefill worker with this many requests in flight (as its engine's "
                         "event stream reports them) takes no more: the decode worker prefills "
                         "(0: off)")

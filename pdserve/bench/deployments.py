@@ -260,12 +260,12 @@ class SmgGateway:
     """The Shepherd Model Gateway (`smg launch --pd-disaggregation`) in front of
     already-running prefill and decode workers, over vLLM's engine protocol."""
 
-    def __init__(self, label: str, model: str, prefill: str | list[str],
-                 decode: str | list[str], policy: str = ""):
+    def __init__(self, label: str, model: str, prefill: list[str], decode: list[str],
+                 policy: str = ""):
         self.label = label
         self.model = model
-        self.prefill = [prefill] if isinstance(prefill, str) else prefill
-        self.decode = [decode] if isinstance(decode, str) else decode
+        self.prefill = prefill          # worker addresses, host:port
+        self.decode = decode
         self.policy = policy
         self.children = _Children(label)
         self.urls: list[str] = []

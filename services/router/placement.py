@@ -32,6 +32,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from pdserve.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
 
 from .prefix_index import PrefixIndex, block_keys
@@ -42,14 +43,18 @@ class NoWorkerError(Exception):
     """No decode worker can take the request."""
 
 
+_DEFAULTS = RouterConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The knobs of placement (defaults: see `bench/README.md`, router section)."""
+    """The knobs of placement; the defaults are RouterConfig's (see `bench/README.md`,
+    router section, for how they were chosen)."""
 
-    balance: float = 1.25               # CHWBL's c: max load over mean load
-    local_below_tokens: int = 32        # fewer uncached tokens than this: prefill locally
-    local_cached_fraction: float = 0.8  # decode worker holds this much of the prompt: local
-    prefill_saturated: int = 2          # a prefill worker with this many requests is full (0: off)
+    balance: float = _DEFAULTS.balance                        # CHWBL's c: max / mean load
+    local_below_tokens: int = _DEFAULTS.local_prefill_below_tokens    # fewer uncached: local
+    local_cached_fraction: float = _DEFAULTS.local_cached_fraction    # held this much: local
+    prefill_saturated: int = _DEFAULTS.prefill_saturated      # this many in flight: full (0 off)
     load_tokens: int = 256              # one request in flight costs this many tokens to prefill
 
 

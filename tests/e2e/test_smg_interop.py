@@ -30,7 +30,7 @@ def _decode_log(stack, request_id: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def smg(stack, model_dir):
-    gateway = SmgGateway("smg-test", str(model_dir), stack.prefill, stack.decode)
+    gateway = SmgGateway("smg-test", str(model_dir), [stack.prefill], [stack.decode])
     try:
         yield gateway.start()[0]
     finally:
