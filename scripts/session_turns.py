@@ -20,8 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from pdserve.bench.chat_turn import chat_turn
-from pdserve.bench.deployments import free_port, free_port_run
-from pdserve.supervisor import healthy
+from pdserve.bench.deployments import Hardware, PdserveStack
 from pdserve.tiny_model import ensure_tiny_model, synthetic_corpus
 
 
@@ -40,24 +39,13 @@ def main() -> None:
     p.add_argument("--history", type=int, default=900, help="turn 1 prompt, ~tokens")
     a = p.parse_args()
     model = str(ensure_tiny_model(Path(a.model)).resolve())
-    proc = None
+    stack = None
     url = a.url
     if not url:
-        import subprocess
-        import sys
-        port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up",
-             "--decode-workers", "2", "--model", model, "--port", str(port),
-             "--grpc-port", str(free_port()), "--router-port", str(free_port()),
-             "--prefill-port", str(free_port()), "--decode-port", str(free_port_run(2)),
-             "--kv-port", str(free_port_run(3))], start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 400
-        while not healthy(url + "/health"):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("stack did not come up")
-            time.sleep(1)
+        hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
+        stack = PdserveStack("session-turns", model, local_prefill_below=32, hw=hw,
+                             decode_workers=2)
+        url = stack.start()[0]
     try:
         for i in range(2):                      # NIXL handshakes, first-call costs
             chat_turn(url, model, _history(10_000 + i, a.history), f"warm-{i}")
@@ -83,9 +71,8 @@ def main() -> None:
               f"{dict(workers)}; turn 2 placements "
               f"{dict(Counter(r[2]['x-pdserve-placement'] for r in rows))}")
     finally:
-        if proc is not None:
-            os.killpg(proc.pid, 15)
-            proc.wait(timeout=90)
+        if stack is not None:
+            stack.stop()
 
 
 if __name__ == "__main__":
