@@ -167,8 +167,7 @@ class Pdserve:
         started = time.perf_counter()
         _, decode, _ = place(self.registry, req, self.policy, self.index)
         self.decision_s.append(time.perf_counter() - started)
-        decode.pending += 1
-        decode.routed += 1
+        self.registry.placed(decode)
         return decode.info.worker_id
 
 

@@ -21,6 +21,7 @@ class WorkerEntry:
     routed: int = 0                  # requests placed here (spreads load round-robin)
     load: int = 0                    # running + waiting on its engine, as last reported
     pending: int = 0                 # requests placed here since that report
+    placed_at: float = 0.0           # when the latest of them was placed
     load_pushed: bool = False        # `load` comes from the engine's event stream (fresh)
 
 
@@ -44,6 +45,12 @@ class WorkerRegistry:
             entry.last_seen = now
         return fresh
 
+    def placed(self, entry: WorkerEntry) -> None:
+        """One more request placed on `entry`, not yet in any report of its load."""
+        entry.routed += 1
+        entry.pending += 1
+        entry.placed_at = self.clock()
+
     def deregister(self, worker_id: str) -> bool:
         """Forget a worker (it is shutting down)."""
         return self.workers.pop(worker_id, None) is not None
@@ -52,6 +59,11 @@ class WorkerRegistry:
                 ) -> list[WorkerEntry]:
         """Live workers of `role` for `model`, minus `exclude`."""
         now = self.clock()
+        for e in self.workers.values():
+            # Placements a report should have covered by now: a worker whose reports
+            # stalled must not read as busy for ever (it would never be offered again).
+            if e.pending and now - e.placed_at > self.timeout / 2:
+                e.pending = 0
         return [e for e in self.workers.values()
                 if e.info.role == role and self._alive(e, now)
                 and e.info.worker_id not in exclude

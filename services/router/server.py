@@ -60,12 +60,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         for entry in (decode, prefill):
             if entry is not None:
-                entry.routed += 1
-                entry.pending += 1
-        log.info("route %s: decode=%s prefill=%s (%s; %d of %d prompt tokens held)",
-                 request.request_id, decision.decode.worker_id,
+                self.registry.placed(entry)
+        log.info("route %s: decode=%s prefill=%s (%s; %d of %d prompt tokens held; "
+                 "decode loads %s)", request.request_id, decision.decode.worker_id,
                  decision.prefill.worker_id or "-", decision.reason, decision.cached_tokens,
-                 len(request.prompt_token_ids) or request.prompt_tokens)
+                 len(request.prompt_token_ids) or request.prompt_tokens,
+                 " ".join(f"{e.info.worker_id}={e.load}+{e.pending}"
+                          for e in self.registry.workers.values()
+                          if e.info.role == decode.info.role))
         return decision
 
     async def ListWorkers(self, request, context):

@@ -100,7 +100,7 @@ def test_load_bound_spills_a_shared_prefix_instead_of_piling_on_one_worker():
     chosen = []
     for i in range(40):
         _, decode, _ = place(reg, _req(system + [i, i, i, i]), Policy(balance=1.25), index)
-        decode.pending += 1                                       # nothing finishes
+        reg.placed(decode)                                        # nothing finishes
         chosen.append(decode.info.worker_id)
         loads = [load(e) for e in reg.serving(DECODE)]
         assert max(loads) <= -(-1.25 * sum(loads) // 4)           # ceil(c * mean)
@@ -131,3 +131,21 @@ def test_saturated_or_missing_prefill_pool_means_local_prefill():
     assert prefill is None and "every prefill worker" in d.reason
     d, _, prefill = place(reg, _req(ids, exclude_workers=["p0"]), Policy(), PrefixIndex(BLOCK))
     assert prefill is None and "no prefill worker" in d.reason
+
+
+def test_placements_no_report_covers_stop_counting_after_half_the_timeout():
+    """A worker whose load reports stalled is not read as busy for ever."""
+    now = [0.0]
+    reg = WorkerRegistry(timeout=6.0, clock=lambda: now[0])
+    for i in range(2):
+        reg.register(router_pb2.WorkerInfo(worker_id=f"d{i}", role=DECODE, address=f"h:{i}", model="m",
+                                           serving=True))
+    d0 = reg.workers["d0"]
+    for _ in range(3):
+        reg.placed(d0)
+    now[0] = 2.9
+    assert [load(e) for e in reg.serving(DECODE)] == [3, 0]
+    _, decode, _ = place(reg, _req([1, 2, 3]), Policy(balance=1.25))
+    assert decode.info.worker_id == "d1"                   # d0 is over the bound
+    now[0] = 3.1
+    assert [load(e) for e in reg.serving(DECODE)] == [0, 0]
