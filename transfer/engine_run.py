@@ -1,0 +1,100 @@
+"""The transfer as the engines do it: `pdserve up` (1 prefill + 1 decode worker),
+requests with prompts of about a thousand tokens, every one disaggregated, and
+the decode engine's connector statistics read back (`vllm:nixl_*`)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import urllib.request
+
+from pdserve.bench.deployments import Hardware, PdserveStack
+
+_XFER = "vllm:nixl_xfer_time_seconds"
+_BYTES = "vllm:nixl_bytes_transferred"
+
+
+def _prompt(rng: random.Random, words: int) -> str:
+    """Distinct text per request: the decode engine's prefix cache must not hold it."""
+    return " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 7)))
+                    for _ in range(words))
+
+
+def _complete(url: str, model: str, prompt: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        if r.headers.get("x-pdserve-path") != "disaggregated":
+            raise RuntimeError(f"request ran {r.headers.get('x-pdserve-path')}, "
+                               "not disaggregated")
+        return json.loads(r.read())
+
+
+def _series(url: str) -> dict[str, list[tuple[str, float]]]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = r.read().decode()
+    out: dict[str, list[tuple[str, float]]] = {}
+    for name, labels, value in re.findall(r"^(vllm:nixl_\w+)(?:\{([^}]*)\})? (\S+)$", body,
+                                          re.M):
+        out.setdefault(name, []).append((labels, float(value)))
+    return out
+
+
+def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile: linear within the bucket that crosses rank q."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1]
+    if total <= 0:
+        raise ValueError("empty histogram")
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = upper, count
+    return lower
+
+
+def _buckets(series: dict, name: str) -> list[tuple[float, float]]:
+    by_le: dict[float, float] = {}
+    for labels, value in series.get(f"{name}_bucket", []):
+        le = re.search(r'le="([^"]+)"', labels).group(1)
+        by_le[float(le)] = by_le.get(float(le), 0.0) + value
+    return list(by_le.items())
+
+
+def _total(series: dict, name: str) -> float:
+    return sum(v for _, v in series.get(name, []))
+
+
+def transfer_times(model: str, requests: int, words: int = 220, seed: int = 0) -> dict:
+    """Per-request transfer figures of `requests` disaggregated requests."""
+    hw = Hardware(units=tuple(sorted(os.sched_getaffinity(0))))
+    stack = PdserveStack("transfer-bench", model, local_prefill_below=0, hw=hw,
+                         placement=("--prefill-saturated", "0"))
+    rng = random.Random(seed)
+    try:
+        url = stack.start()[0]
+        metrics = stack.decode_metrics[0]
+        _complete(url, model, _prompt(rng, words))            # warm-up: handshake, first pull
+        before = _series(metrics)
+        prompt_tokens = [_complete(url, model, _prompt(rng, words))["usage"]["prompt_tokens"]
+                         for _ in range(requests)]
+        after = _series(metrics)
+    finally:
+        stack.stop()
+    xfer = [(le, n - dict(_buckets(before, _XFER)).get(le, 0.0))
+            for le, n in _buckets(after, _XFER)]
+    count = _total(after, f"{_XFER}_count") - _total(before, f"{_XFER}_count")
+    if count <= 0:
+        raise RuntimeError("the decode engine reported no NIXL transfer")
+    seconds = _total(after, f"{_XFER}_sum") - _total(before, f"{_XFER}_sum")
+    moved = _total(after, f"{_BYTES}_sum") - _total(before, f"{_BYTES}_sum")
+    return {"requests": requests, "transfers": int(count),
+            "request_prompt_tokens": round(sum(prompt_tokens) / len(prompt_tokens)),
+            "request_bytes": int(moved / count),
+            "request_ms_p50": round(1000 * histogram_quantile(xfer, 0.5), 3),
+            "request_ms_mean": round(1000 * seconds / count, 3)}
