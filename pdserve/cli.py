@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="first decode worker's gRPC port (the next ones count up)")
     up.add_argument("--kv-port", type=int, default=5600,
                     help="NIXL side-channel port of the first worker (the others count up)")
+    up.add_argument("--kv-lease-seconds", type=int, default=KVTransferConfig().lease_seconds,
+                    help="free a prefill's blocks no decoder claimed after this long")
     up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
     up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
     up.add_argument("--gateway-cpus", default="",
@@ -125,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--router", default="127.0.0.1:50051")
         w.add_argument("--worker-id", default="")
         w.add_argument("--kv-port", type=int, default=5600, help="NIXL side-channel port")
-        w.add_argument("--kv-lease-seconds", type=int, default=30)
+        w.add_argument("--kv-lease-seconds", type=int, default=KVTransferConfig().lease_seconds,
+                       help="free a prefill's blocks no decoder claimed after this long")
         w.add_argument("--cpus", default="", help="cores for the engine's threads (cpu)")
         w.add_argument("--metrics-port", type=int, default=0,
                        help="serve the engine's vllm:* Prometheus metrics on this port (0: off)")

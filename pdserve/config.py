@@ -62,7 +62,10 @@ class KVTransferConfig:
     connector: str = "nixl"
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5600
-    lease_seconds: int = 30              # unclaimed blocks are freed after this
+    # Blocks no decoder claimed are freed after this. A decoder that has the request
+    # queued renews the lease (vLLM's heartbeats, every lease/6 s), and a claim
+    # extends it: only a decoder or an edge that died lets it run out.
+    lease_seconds: int = 6
     buffer_device: str = "cpu"           # "cpu" on CPU boxes, "cuda" on GPUs
 
     def __post_init__(self) -> None:

@@ -78,7 +78,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                        if a.worker_metrics_port else [])
             workers.append((f"{role}-{i}", me + [
                 role, "--port", str(first_port + i), "--router", router,
-                "--kv-port", str(a.kv_port + k),
+                "--kv-port", str(a.kv_port + k), "--kv-lease-seconds", str(a.kv_lease_seconds),
                 "--worker-id", f"{role}-{i}"] + pin + metrics
                 + _engine_flags(a, eng), env))
     placement = [arg for name in PLACEMENT_FLAGS

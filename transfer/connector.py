@@ -16,6 +16,8 @@ from pdserve.config import KVTransferConfig
 # them. The decode worker still serves requests without a KV handle (local
 # prefill) because a consumer only pulls when a request asks it to.
 _ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# vLLM worker extension through which a worker reaches its engine's leases.
+LEASE_EXTENSION = "transfer.leases.WorkerLeases"
 
 
 def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
@@ -58,9 +60,17 @@ def request_params_for_prefill() -> dict[str, Any]:
             "remote_host": None, "remote_port": None}
 
 
-def request_params_for_decode(prefill_params: dict[str, Any]) -> dict[str, Any]:
+# The prefill worker's gRPC address, in the params a decode request carries: the
+# decode worker claims the lease there before its engine pulls (transfer/claim.py).
+PREFILL_ADDRESS = "pdserve_prefill_address"
+
+
+def request_params_for_decode(prefill_params: dict[str, Any],
+                              prefill_address: str = "") -> dict[str, Any]:
     """`kv_transfer_params` for the decode request that pulls the prefill's blocks."""
     params = dict(prefill_params)
+    if prefill_address:
+        params[PREFILL_ADDRESS] = prefill_address
     # The decode engine then reports the pulled tokens as its own cache hits,
     # which is how callers see that the KV travelled.
     params.pop("remote_prefill_cached_tokens", None)

@@ -24,6 +24,9 @@ connector up by that name. Three things differ from vLLM's own:
 
 3. An idle engine stops spinning after `idle_spin_ms` instead of a second
    (see `limit_idle_spin`).
+
+4. On a prefill engine, every lease (the blocks held for a decoder) can be
+   ended or claimed by id and ends with one counted outcome (`leases.py`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlConnector as _VllmNixlConnector,
 )
+
+from .leases import Leases
 
 
 class _BindingsWithPollDelay(types.ModuleType):
@@ -133,3 +138,13 @@ class NixlConnector(_VllmNixlConnector):
         # NOTE: threads started inside super().__init__ (NIXL's progress thread)
         # inherited vLLM's re-pinned set too; confine_threads covers all of them.
         confine_threads(cores)
+        # The producer's worker side keeps the leases (see transfer/leases.py).
+        self.leases = (Leases(self.connector_worker)
+                       if self.connector_worker is not None
+                       and vllm_config.kv_transfer_config.kv_role == "kv_producer" else None)
+
+    def get_transfer_results(self, finished_req_ids):
+        results = super().get_transfer_results(finished_req_ids)
+        if self.leases is not None:
+            self.leases.step(results.finished_sending)
+        return results

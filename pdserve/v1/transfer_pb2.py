@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/transfer.proto\x12\npdserve.v1\"=\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\"f\n\x11HandshakeResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"0\n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rLeaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xd4\x01\n\nKVTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12>\n\x07Release\x12\x18.pdserve.v1.LeaseRequest\x1a\x19.pdserve.v1.LeaseResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.LeaseRequest\x1a\x19.pdserve.v1.LeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/transfer.proto\x12\npdserve.v1\"0\n\x0cLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rLeaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11LeaseStatsRequest\"^\n\nLeaseStats\x12\x0c\n\x04open\x18\x01 \x01(\x04\x12\x0e\n\x06opened\x18\x02 \x01(\x04\x12\x10\n\x08released\x18\x03 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x04 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x05 \x01(\x04\x32\x88\x02\n\nKVTransfer\x12>\n\x07Release\x12\x18.pdserve.v1.LeaseRequest\x1a\x19.pdserve.v1.LeaseResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.LeaseRequest\x1a\x19.pdserve.v1.LeaseResponse\x12<\n\x05\x43laim\x12\x18.pdserve.v1.LeaseRequest\x1a\x19.pdserve.v1.LeaseResponse\x12>\n\x05Stats\x12\x1d.pdserve.v1.LeaseStatsRequest\x1a\x16.pdserve.v1.LeaseStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HANDSHAKEREQUEST']._serialized_start=41
-  _globals['_HANDSHAKEREQUEST']._serialized_end=102
-  _globals['_HANDSHAKERESPONSE']._serialized_start=104
-  _globals['_HANDSHAKERESPONSE']._serialized_end=206
-  _globals['_LEASEREQUEST']._serialized_start=208
-  _globals['_LEASEREQUEST']._serialized_end=256
-  _globals['_LEASERESPONSE']._serialized_start=258
-  _globals['_LEASERESPONSE']._serialized_end=288
-  _globals['_KVTRANSFER']._serialized_start=291
-  _globals['_KVTRANSFER']._serialized_end=503
+  _globals['_LEASEREQUEST']._serialized_start=41
+  _globals['_LEASEREQUEST']._serialized_end=89
+  _globals['_LEASERESPONSE']._serialized_start=91
+  _globals['_LEASERESPONSE']._serialized_end=121
+  _globals['_LEASESTATSREQUEST']._serialized_start=123
+  _globals['_LEASESTATSREQUEST']._serialized_end=142
+  _globals['_LEASESTATS']._serialized_start=144
+  _globals['_LEASESTATS']._serialized_end=238
+  _globals['_KVTRANSFER']._serialized_start=241
+  _globals['_KVTRANSFER']._serialized_end=505
 # @@protoc_insertion_point(module_scope)

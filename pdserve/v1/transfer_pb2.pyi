@@ -4,26 +4,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class HandshakeRequest(_message.Message):
-    __slots__ = ("engine_id", "agent_metadata")
-    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
-    engine_id: str
-    agent_metadata: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
-
-class HandshakeResponse(_message.Message):
-    __slots__ = ("engine_id", "agent_metadata", "block_size", "num_blocks")
-    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    engine_id: str
-    agent_metadata: bytes
-    block_size: int
-    num_blocks: int
-    def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
-
 class LeaseRequest(_message.Message):
     __slots__ = ("lease_id", "reason")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -37,3 +17,21 @@ class LeaseResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class LeaseStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaseStats(_message.Message):
+    __slots__ = ("open", "opened", "released", "aborted", "expired")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    open: int
+    opened: int
+    released: int
+    aborted: int
+    expired: int
+    def __init__(self, open: _Optional[int] = ..., opened: _Optional[int] = ..., released: _Optional[int] = ..., aborted: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...

@@ -26,10 +26,16 @@ if _version_not_supported:
 
 
 class KVTransferStub:
-    """KV-transfer control plane between a prefill worker (producer) and a decode
-    worker (consumer). The data plane (NIXL) moves the bytes; this service
-    exchanges agent metadata and manages leases so that every leased block is
-    released or expires, never leaked.
+    """Leases on a prefill worker: the KV blocks its engine holds for a decoder
+    after a prefill (vLLM's NIXL connector keeps them until the decoder's
+    notification or the lease's expiry). The data plane (NIXL) moves the bytes;
+    this service ends and checks leases by id, so that every lease ends exactly
+    once and nothing is held longer than it must be. The lease id is the
+    prefill's `remote_request_id` in its `kv_transfer_params`.
+
+    Served beside vLLM's `VllmEngine` on the prefill worker's one gRPC port.
+    NIXL's agent handshake stays on vLLM's side channel (bound to the worker's
+    advertised address): moving it here would mean copying the connector.
     """
 
     def __init__(self, channel):
@@ -38,11 +44,6 @@ class KVTransferStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Handshake = channel.unary_unary(
-                '/pdserve.v1.KVTransfer/Handshake',
-                request_serializer=pdserve_dot_v1_dot_transfer__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_transfer__pb2.HandshakeResponse.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.KVTransfer/Release',
                 request_serializer=pdserve_dot_v1_dot_transfer__pb2.LeaseRequest.SerializeToString,
@@ -53,31 +54,57 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_transfer__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_transfer__pb2.LeaseResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/Claim',
+                request_serializer=pdserve_dot_v1_dot_transfer__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_transfer__pb2.LeaseResponse.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/Stats',
+                request_serializer=pdserve_dot_v1_dot_transfer__pb2.LeaseStatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_transfer__pb2.LeaseStats.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
-    """KV-transfer control plane between a prefill worker (producer) and a decode
-    worker (consumer). The data plane (NIXL) moves the bytes; this service
-    exchanges agent metadata and manages leases so that every leased block is
-    released or expires, never leaked.
+    """Leases on a prefill worker: the KV blocks its engine holds for a decoder
+    after a prefill (vLLM's NIXL connector keeps them until the decoder's
+    notification or the lease's expiry). The data plane (NIXL) moves the bytes;
+    this service ends and checks leases by id, so that every lease ends exactly
+    once and nothing is held longer than it must be. The lease id is the
+    prefill's `remote_request_id` in its `kv_transfer_params`.
+
+    Served beside vLLM's `VllmEngine` on the prefill worker's one gRPC port.
+    NIXL's agent handshake stays on vLLM's side channel (bound to the worker's
+    advertised address): moving it here would mean copying the connector.
     """
 
-    def Handshake(self, request, context):
-        """Exchange NIXL agent metadata (instead of NIXL's own all-interface listener).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Release(self, request, context):
-        """The consumer finished reading a lease's blocks; the producer may free them.
+        """The decoder has read the lease's blocks (its NIXL notification normally
+        says so): free them now. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """The consumer gave up (abort, failure); the producer frees the blocks.
+        """Nobody will read them (the request was cancelled or failed, or fell back
+        to local prefill): free them now. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Claim(self, request, context):
+        """Before a pull: are the blocks still held? Extends the lease when they are,
+        so the pull that follows reads what the prefill wrote, never reused blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Leases by outcome since the engine started.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,11 +113,6 @@ class KVTransferServicer:
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Handshake': grpc.unary_unary_rpc_method_handler(
-                    servicer.Handshake,
-                    request_deserializer=pdserve_dot_v1_dot_transfer__pb2.HandshakeRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_transfer__pb2.HandshakeResponse.SerializeToString,
-            ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=pdserve_dot_v1_dot_transfer__pb2.LeaseRequest.FromString,
@@ -101,6 +123,16 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_transfer__pb2.LeaseRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_transfer__pb2.LeaseResponse.SerializeToString,
             ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=pdserve_dot_v1_dot_transfer__pb2.LeaseRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_transfer__pb2.LeaseResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=pdserve_dot_v1_dot_transfer__pb2.LeaseStatsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_transfer__pb2.LeaseStats.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdserve.v1.KVTransfer', rpc_method_handlers)
@@ -110,38 +142,17 @@ def add_KVTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
-    """KV-transfer control plane between a prefill worker (producer) and a decode
-    worker (consumer). The data plane (NIXL) moves the bytes; this service
-    exchanges agent metadata and manages leases so that every leased block is
-    released or expires, never leaked.
-    """
+    """Leases on a prefill worker: the KV blocks its engine holds for a decoder
+    after a prefill (vLLM's NIXL connector keeps them until the decoder's
+    notification or the lease's expiry). The data plane (NIXL) moves the bytes;
+    this service ends and checks leases by id, so that every lease ends exactly
+    once and nothing is held longer than it must be. The lease id is the
+    prefill's `remote_request_id` in its `kv_transfer_params`.
 
-    @staticmethod
-    def Handshake(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.KVTransfer/Handshake',
-            pdserve_dot_v1_dot_transfer__pb2.HandshakeRequest.SerializeToString,
-            pdserve_dot_v1_dot_transfer__pb2.HandshakeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
+    Served beside vLLM's `VllmEngine` on the prefill worker's one gRPC port.
+    NIXL's agent handshake stays on vLLM's side channel (bound to the worker's
+    advertised address): moving it here would mean copying the connector.
+    """
 
     @staticmethod
     def Release(request,
@@ -187,6 +198,60 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/Abort',
             pdserve_dot_v1_dot_transfer__pb2.LeaseRequest.SerializeToString,
             pdserve_dot_v1_dot_transfer__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/Claim',
+            pdserve_dot_v1_dot_transfer__pb2.LeaseRequest.SerializeToString,
+            pdserve_dot_v1_dot_transfer__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/Stats',
+            pdserve_dot_v1_dot_transfer__pb2.LeaseStatsRequest.SerializeToString,
+            pdserve_dot_v1_dot_transfer__pb2.LeaseStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,7 +92,9 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         metrics.prefill_fallbacks.labels(cfg.name).inc()
     metrics.prompt_tokens.labels(cfg.name).inc(len(ids))
     metrics.placements.labels(cfg.name, stream.stats["placement"]).inc()
-    headers = {"x-pdserve-path": stream.path, "x-pdserve-placement": stream.stats["placement"],
+    # x-pdserve-path is set when the response starts: the decode's first output can
+    # still turn a disaggregated request local (see GenerationStream._first_chunk).
+    headers = {"x-pdserve-placement": stream.stats["placement"],
                "x-pdserve-worker": stream.decode_worker, "x-request-id": rid}
     metrics.running.labels(cfg.name).inc()
     status = "200"
@@ -101,11 +103,14 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         return await relay(request, req, stream, headers)
     except oai.APIError as e:
         status = str(e.status)
-        return _error_response(e, headers)
+        return _error_response(e, headers | {"x-pdserve-path": stream.path})
     except (asyncio.CancelledError, ConnectionResetError):
         status = "499"  # the client went away; leaving here cancels the decode call
         raise
     finally:
+        stream.close()                  # a lease the decode never pulled ends now
+        if stream.stats.get("pull_refused"):
+            metrics.prefill_fallbacks.labels(cfg.name).inc()
         metrics.running.labels(cfg.name).dec()
         metrics.requests.labels(_ENDPOINT[kind], stream.path, status).inc()
         metrics.generation_tokens.labels(cfg.name).inc(stream.completion_tokens)
@@ -128,15 +133,22 @@ async def _relay_json(request, req: oai.CompletionRequest, stream: GenerationStr
     build = oai.chat_response if req.kind == "chat" else oai.completion_response
     body = build(stream.gen.request_id, req.model, created, text, stream.finish_reason or "stop",
                  len(stream.gen.prompt_token_ids), stream.completion_tokens)
-    return web.json_response(body, headers=headers)
+    return web.json_response(body, headers=headers | {"x-pdserve-path": stream.path})
 
 
 async def _relay_sse(request, req: oai.CompletionRequest, stream: GenerationStream,
                      headers) -> web.StreamResponse:
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
     rid, model, created = stream.gen.request_id, req.model, int(time.time())
+
+    async def write(data: bytes) -> None:
+        # The response starts with the first output, when the path is known; an
+        # error before it is an ordinary HTTP error, not an event in a 200 stream.
+        if not resp.prepared:
+            resp.headers["x-pdserve-path"] = stream.path
+            await resp.prepare(request)
+        await resp.write(data)
 
     def event(text: str | None = None, finish: str | None = None) -> bytes:
         if req.kind == "chat":
@@ -155,17 +167,19 @@ async def _relay_sse(request, req: oai.CompletionRequest, stream: GenerationStre
         async with contextlib.aclosing(stream.chunks()) as chunks:
             async for chunk in chunks:
                 if chunk.text:
-                    await resp.write(opening + event(chunk.text))
+                    await write(opening + event(chunk.text))
                     opening = b""
         if opening:
-            await resp.write(opening)                   # no text at all: still a role
-        await resp.write(event(None if req.kind == "chat" else "",
-                               finish=stream.finish_reason or "stop"))
+            await write(opening)                        # no text at all: still a role
+        await write(event(None if req.kind == "chat" else "",
+                          finish=stream.finish_reason or "stop"))
         if req.include_usage:
-            await resp.write(oai.sse_event(oai.usage_chunk(
+            await write(oai.sse_event(oai.usage_chunk(
                 req.kind, rid, model, created, len(stream.gen.prompt_token_ids),
                 stream.completion_tokens)))
     except oai.APIError as e:
+        if not resp.prepared:
+            raise
         # Headers are gone already: the error travels inside the stream.
         await resp.write(oai.sse_event(e.body()))
     await resp.write(oai.sse_event("[DONE]"))

@@ -23,7 +23,7 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve.rpc import channel
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 
 from .detokenizer import StopRule, TextStream
 from .engine_requests import decode_request, prefill_request
@@ -63,6 +63,8 @@ class GenerationStream:
     prefill_params: dict[str, Any] | None       # the prefill's kv_transfer_params
     text: TextStream
     timeout: float
+    prefill_address: str = ""                   # where the lease on those blocks lives
+    leases: transfer_pb2_grpc.KVTransferStub | None = None
     completion_tokens: int = 0
     finish_reason: str | None = None
     first_token_at: float | None = None         # perf_counter() when the first token arrived
@@ -72,7 +74,7 @@ class GenerationStream:
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Chunks in order; leaving early cancels the call and aborts the request."""
         req = decode_request(self.gen.request_id, self.gen.prompt_token_ids, self.gen.sampling,
-                             self.prefill_params)
+                             self.prefill_params, self.prefill_address)
         call = self.decode_stub.Generate(req, timeout=self.timeout)
         try:
             async for resp in call:
@@ -80,9 +82,7 @@ class GenerationStream:
                     c = resp.chunk
                     if c.token_ids and self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
-                        self.stats.update(decode_cached_tokens=c.cached_tokens,
-                                          decode_external_tokens=c.cached_tokens
-                                          if self.prefill_params else 0)
+                        self._first_chunk(c.cached_tokens)
                     self.completion_tokens += len(c.token_ids)
                     text = self.text.add(c.token_ids)
                     if self.text.stop_string is not None:
@@ -102,14 +102,45 @@ class GenerationStream:
             call.cancel()                       # a no-op once the call has ended
             if self.finish_reason is None:
                 self._abort()
+            self.close()
+
+    def _first_chunk(self, cached_tokens: int) -> None:
+        """The decode engine's first output says whether the KV travelled: a pull
+        leaves all but the last prompt token cached. Less means the decode worker
+        prefilled itself (it refused a lease that was gone, or the pull failed)."""
+        pulled = (self.prefill_params is not None
+                  and cached_tokens >= len(self.gen.prompt_token_ids) - 1)
+        if self.prefill_params is not None and not pulled:
+            self.path = "local"
+            self.stats["pull_refused"] = True
+            log.warning("request %s: the decode worker %s prefilled locally (%d tokens "
+                        "cached); the prefill's KV was not used", self.gen.request_id,
+                        self.decode_worker, cached_tokens)
+        self.stats.update(decode_cached_tokens=cached_tokens,
+                          decode_external_tokens=cached_tokens if pulled else 0)
+
+    def close(self) -> None:
+        """End the prefill's lease if the decode never got to pull it (the request
+        ended first): its blocks are freed now, not when the lease runs out."""
+        if self.leases is None or self.first_token_at is not None:
+            return
+        leases, self.leases = self.leases, None
+        lease = (self.prefill_params or {}).get("remote_request_id")
+        if lease:
+            self._track(leases.Abort(transfer_pb2.LeaseRequest(
+                lease_id=lease, reason=f"request {self.gen.request_id} ended before its "
+                                       "decode"), timeout=2.0))
+
+    def _track(self, call) -> None:
+        task = asyncio.ensure_future(call)
+        self.aborts.add(task)
+        task.add_done_callback(lambda t: (self.aborts.discard(t), t.cancelled() or t.exception()))
 
     def _abort(self) -> None:
         """Tell the decode worker to drop the request (cancelling the call does too;
         this also reaches an engine whose servicer missed the cancellation)."""
-        task = asyncio.ensure_future(self.decode_stub.Abort(
+        self._track(self.decode_stub.Abort(
             vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=2.0))
-        self.aborts.add(task)
-        task.add_done_callback(lambda t: (self.aborts.discard(t), t.cancelled() or t.exception()))
 
 
 def _api_error(e: grpc.aio.AioRpcError, who: str) -> APIError:
@@ -142,10 +173,16 @@ class Orchestrator:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.prefill_fallbacks = 0
 
-    def _engine(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
+    def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
             self._channels[address] = channel(address)
-        return vllm_engine_pb2_grpc.VllmEngineStub(self._channels[address])
+        return self._channels[address]
+
+    def _engine(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
+        return vllm_engine_pb2_grpc.VllmEngineStub(self._channel(address))
+
+    def _leases(self, address: str) -> transfer_pb2_grpc.KVTransferStub:
+        return transfer_pb2_grpc.KVTransferStub(self._channel(address))
 
     async def workers(self) -> list[router_pb2.WorkerInfo]:
         """Every worker the router knows, with liveness."""
@@ -169,9 +206,12 @@ class Orchestrator:
         path = "disaggregated" if params is not None else "local"
         log.info("request %s: path=%s decode=%s prefill=%s (%s)", gen.request_id, path,
                  decision.decode.worker_id, decision.prefill.worker_id or "-", decision.reason)
+        prefill_address = decision.prefill.address if params is not None else ""
         return GenerationStream(
             gen=gen, path=path, decode_worker=decision.decode.worker_id,
             decode_stub=self._engine(decision.decode.address), prefill_params=params,
+            prefill_address=prefill_address,
+            leases=self._leases(prefill_address) if prefill_address else None,
             text=TextStream(self.tokenizer, gen.prompt_token_ids,
                             _stop_rule(self.tokenizer, gen.sampling)),
             timeout=self.timeout, stats=stats)

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve.config import EngineConfig, KVTransferConfig
-from transfer.connector import engine_kv_config
+from transfer.connector import LEASE_EXTENSION, engine_kv_config
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class VllmEngine:
                 enable_kv_cache_events=True, publisher="zmq",
                 endpoint=f"ipc://{self.kv_events_path}"),
             kv_transfer_config=engine_kv_config(role, kv) if kv else None,
+            # Lease control in the engine's worker processes (transfer/leases.py).
+            worker_extension_cls=LEASE_EXTENSION if kv else "",
             **({"kv_cache_memory_bytes": cfg.kv_cache_bytes} if cfg.device == "cpu"
                else {"gpu_memory_utilization": cfg.gpu_memory_utilization}),
         )

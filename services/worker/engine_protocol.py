@@ -17,6 +17,9 @@ import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 
+from transfer.claim import LeaseClaims
+from transfer.connector import PREFILL_ADDRESS
+
 from .engine import VllmEngine
 from .validation import prompt_problem, sampling_problem
 
@@ -33,6 +36,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         self.worker_id = worker_id
         self.max_model_len = engine.cfg.max_model_len
         self.vocab_size = engine.llm.model_config.get_vocab_size()
+        self.claims = LeaseClaims()
 
     async def Generate(self, request, context):
         s = request.sampling_params
@@ -45,6 +49,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         started = time.perf_counter()
+        await self._claim(request)
         n, prompt_tokens, cached, ended = 0, 0, 0, "cancelled"
         try:
             async for resp in super().Generate(request, context):
@@ -61,6 +66,24 @@ class WorkerEngineServicer(VllmEngineServicer):
             log.info("generate %s on %s %s after %d tokens: %d prompt tokens (%d cached), "
                      "%.1f ms%s", request.request_id, self.worker_id, ended, n, prompt_tokens,
                      cached, (time.perf_counter() - started) * 1000, _kv_note(request))
+
+    async def _claim(self, request) -> None:
+        """A pull whose lease is gone (or whose prefill worker is) becomes a local
+        prefill: the request reaches the engine without its kv_transfer_params."""
+        if not request.HasField("kv_transfer_params_json"):
+            return
+        try:
+            params = json.loads(request.kv_transfer_params_json)
+        except ValueError:
+            return                          # the engine answers INVALID_ARGUMENT
+        if not isinstance(params, dict):
+            return
+        reason = await self.claims.refusal(params)
+        if reason:
+            log.warning("generate %s on %s: not pulling lease %s from %s (%s); prefilling "
+                        "locally", request.request_id, self.worker_id,
+                        params.get("remote_request_id"), params.get(PREFILL_ADDRESS), reason)
+            request.ClearField("kv_transfer_params_json")
 
     async def Abort(self, request, context):
         log.info("abort %s on %s", ",".join(request.request_ids), self.worker_id)

@@ -1,6 +1,7 @@
 """Run one worker process: engine, gRPC server (vLLM's engine protocol), router registration."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 
@@ -11,6 +12,9 @@ from pdserve.config import WorkerConfig
 from pdserve.lifecycle import until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
+from transfer.service import SERVICE_NAME as LEASE_SERVICE
+from transfer.service import KVTransferService
+from transfer.service import add_to_server as add_lease_service
 
 from .engine import VllmEngine
 from .engine_protocol import SERVICE_NAME as ENGINE_SERVICE
@@ -29,17 +33,27 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     engine = VllmEngine(cfg.engine, cfg.role, cfg.kv)
     servicer = WorkerEngineServicer(engine, cfg.worker_id)
 
+    # A prefill worker also ends and checks its engine's KV leases by id.
+    leases = (KVTransferService(engine.llm, cfg.worker_id)
+              if cfg.role == "prefill" and cfg.kv else None)
+    services = [ENGINE_SERVICE] + ([LEASE_SERVICE] if leases else [])
+
     def add_servicers(server) -> None:
         add_engine_protocol(servicer, server)
+        if leases:
+            add_lease_service(leases, server)
         # grpcurl and gateways discover the services by reflection, as on `vllm serve --grpc`.
         reflection.enable_server_reflection(
-            [ENGINE_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+            [*services, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
 
-    server = Server(cfg.host, cfg.port, add_servicers, [ENGINE_SERVICE])
+    server = Server(cfg.host, cfg.port, add_servicers, services)
     # Default id from the bound port, so that port 0 still gives a stable, unique name.
     worker_id = servicer.worker_id = (
         cfg.worker_id or f"{cfg.role}-{socket.gethostname()}-{server.port}")
     await server.start()
+    if leases:
+        leases.worker_id = worker_id
+        refresh = asyncio.create_task(leases.refresh(), name="lease-stats")
     if cfg.metrics_port:
         # vLLM's stat logger records the engine's vllm:* series into this process's
         # default registry; serve them unchanged, as `vllm serve` does on /metrics.
@@ -55,5 +69,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     finally:
         log.info("%s worker %s stopping", cfg.role, worker_id)
         await registration.stop()
+        if leases:
+            refresh.cancel()
         await server.stop(grace=5.0)
         engine.shutdown()

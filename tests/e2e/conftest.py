@@ -102,6 +102,7 @@ class Stack:
     prefill: str
     decode: str
     decode_metrics: str                 # the decode engine's own vllm:* series
+    prefill_metrics: str                # the prefill worker's vllm:* and pdserve:kv_* series
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +124,8 @@ def stack(model_dir, reference) -> Stack:
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",
                   prefill=f"127.0.0.1:{ports['prefill']}", decode=f"127.0.0.1:{ports['decode']}",
-                  decode_metrics=f"http://127.0.0.1:{metrics + 1}/metrics")
+                  decode_metrics=f"http://127.0.0.1:{metrics + 1}/metrics",
+                  prefill_metrics=f"http://127.0.0.1:{metrics}/metrics")
     try:
         proc.wait_for("pdserve ready", timeout=400)
         tree = proc.descendants()

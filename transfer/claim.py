@@ -1,0 +1,66 @@
+"""The decode side of a lease: claim it before the engine pulls.
+
+NIXL's READ is one-sided: a decoder that pulls blocks whose lease ended (it
+expired, was aborted, or never existed) reads whatever the prefill engine has
+put there since, and nothing tells it. So before a decode request with
+`do_remote_prefill` reaches the engine, the worker asks the prefill worker's
+`KVTransfer.Claim` whether the lease still holds its blocks (which also extends
+it for the pull). If it does not, or the prefill worker cannot be reached, the
+request goes to the engine without `kv_transfer_params`: the decode engine
+computes the prompt itself, with exact tokens, within the claim's timeout
+instead of a transfer timeout. Each such fallback is counted by reason in
+`pdserve:kv_transfer_failures_total`.
+
+The edge names the prefill worker's gRPC address in the params it hands over
+(`PREFILL_ADDRESS`). Params without it come from a caller that knows nothing of
+leases (another gateway over stock engines): they go to the engine unchanged,
+as vLLM would take them.
+"""
+from __future__ import annotations
+
+import grpc
+from prometheus_client import Counter
+
+from pdserve.rpc import channel
+from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
+
+from .connector import PREFILL_ADDRESS
+
+FAILURES = Counter("pdserve:kv_transfer_failures", "KV pulls replaced by local prefill",
+                   ["reason"])
+REASONS = ("lease_gone", "prefill_unreachable", "claim_failed")
+for _reason in REASONS:
+    FAILURES.labels(_reason)                    # every series exists from the start
+
+
+class LeaseClaims:
+    """Claims leases on prefill workers, one channel per address."""
+
+    def __init__(self, timeout: float = 0.5):
+        self.timeout = timeout
+        self._stubs: dict[str, transfer_pb2_grpc.KVTransferStub] = {}
+
+    def _stub(self, address: str) -> transfer_pb2_grpc.KVTransferStub:
+        if address not in self._stubs:
+            self._stubs[address] = transfer_pb2_grpc.KVTransferStub(channel(address))
+        return self._stubs[address]
+
+    async def refusal(self, params: dict) -> str | None:
+        """Why the blocks these params name must not be pulled, or None to pull them."""
+        address, lease = params.get(PREFILL_ADDRESS), params.get("remote_request_id")
+        if not params.get("do_remote_prefill") or not address or not lease:
+            return None
+        try:
+            resp = await self._stub(address).Claim(
+                transfer_pb2.LeaseRequest(lease_id=lease), timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None                 # a prefill engine without leases: vLLM's rules
+            reason = ("prefill_unreachable" if e.code() in (
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                else "claim_failed")
+        else:
+            reason = None if resp.found else "lease_gone"
+        if reason:
+            FAILURES.labels(reason).inc()
+        return reason

@@ -1,0 +1,92 @@
+"""`pdserve.v1.KVTransfer` on a prefill worker: leases ended and checked by id.
+
+The leases live in the engine's worker process, beside the connector
+(`leases.py`); this servicer reaches them through vLLM's `collective_rpc`,
+which runs between engine steps. With tensor parallelism every rank holds its
+share of a lease's blocks: an operation is sent to all, and a lease is found
+if any rank holds it. The outcome counts are exported as
+`pdserve:kv_leases_total{outcome}` and `pdserve:kv_leases_open`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import REGISTRY
+
+from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
+
+from .leases import OUTCOMES
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+_RPC = "pdserve_leases"          # WorkerLeases' method, run in every engine worker
+
+
+class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
+    """Lease control over one engine (an `AsyncLLM`)."""
+
+    def __init__(self, llm, worker_id: str):
+        self.llm = llm
+        self.worker_id = worker_id
+        self.last = {"open": 0, "opened": 0, **dict.fromkeys(OUTCOMES, 0)}
+
+    async def leases(self, op: str, lease_ids: list[str]) -> list[bool]:
+        """Run one lease operation on every rank; the ids any rank held."""
+        ranks = await self.llm.collective_rpc(_RPC, timeout=10.0, args=(op, lease_ids))
+        stats = [r["stats"] for r in ranks if r["stats"] is not None]
+        if stats:
+            self.last = stats[0]              # every rank sees every lease
+        return [any(r["found"][i] for r in ranks) for i in range(len(lease_ids))]
+
+    async def _end(self, op: str, request, context) -> transfer_pb2.LeaseResponse:
+        if not request.lease_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id is required")
+        found = (await self.leases(op, [request.lease_id]))[0]
+        log.info("%s lease %s on %s: %s%s", op, request.lease_id, self.worker_id,
+                 "ended" if found else "not held",
+                 f" ({request.reason})" if request.reason else "")
+        return transfer_pb2.LeaseResponse(found=found)
+
+    async def Release(self, request, context):
+        return await self._end("release", request, context)
+
+    async def Abort(self, request, context):
+        return await self._end("abort", request, context)
+
+    async def Claim(self, request, context):
+        if not request.lease_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id is required")
+        found = (await self.leases("claim", [request.lease_id]))[0]
+        return transfer_pb2.LeaseResponse(found=found)
+
+    async def Stats(self, request, context):
+        await self.leases("stats", [])
+        return transfer_pb2.LeaseStats(**self.last)
+
+    async def refresh(self, every: float = 1.0) -> None:
+        """Keep the exported counts current (a scrape must not wait on the engine)."""
+        while True:
+            try:
+                await self.leases("stats", [])
+            except Exception as e:           # an engine that is stopping: try again later
+                log.debug("lease stats unavailable: %s", e)
+            await asyncio.sleep(every)
+
+    def collect(self):
+        """prometheus_client collector: the counts as of the last refresh."""
+        total = CounterMetricFamily("pdserve:kv_leases", "KV leases ended, by outcome",
+                                    labels=["outcome"])
+        for outcome in OUTCOMES:
+            total.add_metric([outcome], self.last[outcome])
+        yield total
+        yield GaugeMetricFamily("pdserve:kv_leases_open", "KV leases holding blocks now",
+                                value=self.last["open"])
+
+
+def add_to_server(service: KVTransferService, server: grpc.aio.Server) -> None:
+    transfer_pb2_grpc.add_KVTransferServicer_to_server(service, server)
+    REGISTRY.register(service)
