@@ -205,7 +205,10 @@ def _config(a: argparse.Namespace):
                                                  + [("decode", w) for w in a.decode_worker]))
     if a.command in ("prefill", "decode"):
         return WorkerConfig(role=a.command, engine=_engine_config(a),
-                            kv=KVTransferConfig(side_channel_port=a.kv_port,
+                            # NIXL's handshake stays on vLLM's side channel, bound to the
+                            # address peers dial (the advertised one), nowhere else.
+                            kv=KVTransferConfig(side_channel_host=a.advertise_host or a.host,
+                                                side_channel_port=a.kv_port,
                                                 lease_seconds=a.kv_lease_seconds,
                                                 buffer_device=a.device),
                             host=a.host, port=a.port, advertise_host=a.advertise_host,

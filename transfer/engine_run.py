@@ -15,7 +15,7 @@ _XFER = "vllm:nixl_xfer_time_seconds"
 _BYTES = "vllm:nixl_bytes_transferred"
 
 
-def _prompt(rng: random.Random, words: int) -> str:
+def prompt_text(rng: random.Random, words: int) -> str:
     """Distinct text per request: the decode engine's prefix cache must not hold it."""
     return " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 7)))
                     for _ in range(words))
@@ -79,9 +79,9 @@ def transfer_times(model: str, requests: int, words: int = 220, seed: int = 0) -
     try:
         url = stack.start()[0]
         metrics = stack.decode_metrics[0]
-        _complete(url, model, _prompt(rng, words))            # warm-up: handshake, first pull
+        _complete(url, model, prompt_text(rng, words))            # warm-up: handshake, first pull
         before = _series(metrics)
-        prompt_tokens = [_complete(url, model, _prompt(rng, words))["usage"]["prompt_tokens"]
+        prompt_tokens = [_complete(url, model, prompt_text(rng, words))["usage"]["prompt_tokens"]
                          for _ in range(requests)]
         after = _series(metrics)
     finally:

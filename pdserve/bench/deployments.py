@@ -204,6 +204,11 @@ class PdserveStack:
         return [f"127.0.0.1:{self.ports[role] + i}" for i in range(count)]
 
     @property
+    def prefill_metrics(self) -> str:
+        """The prefill engine's vllm:* (and lease) metrics URL."""
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
+    @property
     def decode_metrics(self) -> list[str]:
         """The decode engines' vllm:* metrics URLs (the prefill's comes first)."""
         return [f"http://127.0.0.1:{self.ports['metrics'] + 1 + i}/metrics"

@@ -160,7 +160,7 @@ class Pdserve:
     def choose(self, turn: Turn, workers: dict[str, SimWorker], now: float) -> str:
         if now >= self.next_report:                              # workers' periodic reports
             for e in self.registry.serving(DECODE):
-                e.load, e.pending = workers[e.info.worker_id].load(now), 0
+                e.reported(workers[e.info.worker_id].load(now))
             self.next_report = now + self.cfg.report_s
         req = router_pb2.RouteRequest(model="m", session_id=str(turn.session),
                                       prompt_token_ids=turn.prompt)

@@ -107,8 +107,7 @@ class EngineProbes:
         try:
             async for batch in call:
                 if batch.HasField("load"):
-                    entry.load = batch.load.running_requests + batch.load.waiting_requests
-                    entry.pending = 0
+                    entry.reported(batch.load.running_requests + batch.load.waiting_requests)
                     entry.load_pushed = True
                 for event in batch.events:
                     self._apply(wid, event)
@@ -170,8 +169,7 @@ class EngineProbes:
             return
         if entry.load_pushed:
             return                          # its event stream reported meanwhile: newer
-        entry.load = sum(s.num_running_reqs + s.num_waiting_reqs for s in resp.loads)
-        entry.pending = 0
+        entry.reported(sum(s.num_running_reqs + s.num_waiting_reqs for s in resp.loads))
 
     async def stop(self) -> None:
         """Stop probing and following, and close the channels."""

@@ -7,9 +7,12 @@ listed (so /health can say what is missing).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from pdserve.v1 import common_pb2, router_pb2
+
+PENDING_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -21,8 +24,14 @@ class WorkerEntry:
     routed: int = 0                  # requests placed here (spreads load round-robin)
     load: int = 0                    # running + waiting on its engine, as last reported
     pending: int = 0                 # requests placed here since that report
-    placed_at: float = 0.0           # when the latest of them was placed
     load_pushed: bool = False        # `load` comes from the engine's event stream (fresh)
+    placed_at: deque = field(default_factory=deque)    # when each pending one was placed
+
+    def reported(self, load: int) -> None:
+        """The engine's own count of its requests: it covers every placement so far."""
+        self.load = load
+        self.pending = 0
+        self.placed_at.clear()
 
 
 class WorkerRegistry:
@@ -49,7 +58,7 @@ class WorkerRegistry:
         """One more request placed on `entry`, not yet in any report of its load."""
         entry.routed += 1
         entry.pending += 1
-        entry.placed_at = self.clock()
+        entry.placed_at.append(self.clock())
 
     def deregister(self, worker_id: str) -> bool:
         """Forget a worker (it is shutting down)."""
@@ -60,10 +69,14 @@ class WorkerRegistry:
         """Live workers of `role` for `model`, minus `exclude`."""
         now = self.clock()
         for e in self.workers.values():
-            # Placements a report should have covered by now: a worker whose reports
-            # stalled must not read as busy for ever (it would never be offered again).
-            if e.pending and now - e.placed_at > self.timeout / 2:
-                e.pending = 0
+            # A placement counts until a report covers it, or for PENDING_SECONDS: an
+            # engine reports within a tick when its load changes, so one older than that
+            # has finished already (a request that starts and ends between two ticks
+            # changes nothing) or its worker's reports stalled. Either way it must not
+            # keep the worker out of placement.
+            while e.placed_at and now - e.placed_at[0] > PENDING_SECONDS:
+                e.placed_at.popleft()
+                e.pending = len(e.placed_at)
         return [e for e in self.workers.values()
                 if e.info.role == role and self._alive(e, now)
                 and e.info.worker_id not in exclude

@@ -26,17 +26,20 @@ from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
 
 @pytest.fixture(scope="module")
 def pool(model_dir, reference):
-    ports = {k: free_port() for k in ("edge", "grpc", "router")}
+    ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill")}
+    ports["decode"] = free_port_run(2)
     metrics = free_port_run(3)
     proc = Proc(pdserve_cmd("up", "--decode-workers", "2", "--port", str(ports["edge"]),
                             "--grpc-port", str(ports["grpc"]), "--router-port", str(ports["router"]),
-                            "--prefill-port", str(free_port()), "--decode-port",
-                            str(free_port_run(2)),
+                            "--prefill-port", str(ports["prefill"]), "--decode-port",
+                            str(ports["decode"]),
                             "--kv-port", str(free_port_run(3)), "--model", str(model_dir),
                             "--worker-metrics-port", str(metrics)), name="pdserve-pool")
     try:
         proc.wait_for("pdserve ready", timeout=400)
         yield {"url": f"http://127.0.0.1:{ports['edge']}", "model": str(model_dir),
+               "prefill": f"127.0.0.1:{ports['prefill']}",
+               "decode-0": f"127.0.0.1:{ports['decode']}",
                "prefill_metrics": f"http://127.0.0.1:{metrics}/metrics", "proc": proc,
                "decode_metrics": {f"decode-{i}": f"http://127.0.0.1:{metrics + 1 + i}/metrics"
                                   for i in range(2)}}
@@ -144,3 +147,38 @@ def test_losing_a_decode_worker_moves_only_its_sessions(pool):
     assert 0 < len(moved) < len(turns)
     pool["proc"].wait_for("decode-1 exited", timeout=30)
     pool["proc"].wait_for("restarting it", timeout=30)
+
+
+def test_a_prefill_worker_killed_before_the_pull_costs_a_local_prefill_not_the_request(
+        pool, model_dir):
+    """Runs last: SIGKILL the prefill worker between its answer and the decode's pull.
+    The decode worker's claim finds nobody, and it computes the prompt itself: the
+    same tokens, well within a second of the failure."""
+    import grpc
+    from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
+    from transformers import AutoTokenizer
+
+    from engine_client import flush_prefix_cache, generate
+    from transfer.connector import request_params_for_decode, request_params_for_prefill
+
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(CASES[0].payload["prompt"])
+    with grpc.insecure_channel(pool["prefill"]) as p, grpc.insecure_channel(pool["decode-0"]) as d:
+        prefill, decode = pb_grpc.VllmEngineStub(p), pb_grpc.VllmEngineStub(d)
+        want, _ = generate(decode, "killed-ref", ids, 12)
+        flush_prefix_cache(decode)
+        _, done = generate(prefill, "killed-p", ids, 1, kv=request_params_for_prefill())
+        params = json.loads(done.kv_transfer_params_json)
+        victim = next(c for c in psutil.Process(pool["proc"].popen.pid).children()
+                      if "prefill-0" in c.cmdline())
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        killed = time.monotonic()
+        out, done = generate(decode, "killed-d", ids, 12,
+                             kv=request_params_for_decode(params, pool["prefill"]))
+        recovered = time.monotonic() - killed
+    assert out == want and done.cached_tokens < len(ids) - 1
+    # The whole 12-token request, fallback included, within a second of the kill.
+    assert recovered < 1.0, recovered
+    assert metric_sum(pool["decode_metrics"]["decode-0"], "pdserve:kv_transfer_failures_total",
+                      'reason="prefill_unreachable"') >= 1
+    print(f"prefill killed: local recompute answered {recovered * 1000:.0f} ms after the kill")

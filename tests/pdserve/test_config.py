@@ -40,3 +40,12 @@ def test_cli_rejects_bad_flag_with_exit_2():
     out = subprocess.run([sys.executable, "-m", "pdserve.cli", "router", "--port", "99999"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "port" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_worker_binds_its_nixl_side_channel_to_the_address_it_advertises():
+    from pdserve.cli import _config, _parser
+    cfg = _config(_parser().parse_args(["prefill", "--host", "0.0.0.0", "--advertise-host",
+                                        "10.0.0.7", "--kv-lease-seconds", "4"]))
+    assert (cfg.kv.side_channel_host, cfg.kv.lease_seconds) == ("10.0.0.7", 4)
+    cfg = _config(_parser().parse_args(["decode"]))
+    assert cfg.kv.side_channel_host == "127.0.0.1" and cfg.kv.lease_seconds == 6

@@ -133,19 +133,23 @@ def test_saturated_or_missing_prefill_pool_means_local_prefill():
     assert prefill is None and "no prefill worker" in d.reason
 
 
-def test_placements_no_report_covers_stop_counting_after_half_the_timeout():
-    """A worker whose load reports stalled is not read as busy for ever."""
+def test_each_placement_no_report_covers_stops_counting_after_a_second():
+    """A worker whose load reports stalled (or whose short requests ended between two
+    ticks) is not read as busy for ever."""
     now = [0.0]
     reg = WorkerRegistry(timeout=6.0, clock=lambda: now[0])
     for i in range(2):
         reg.register(router_pb2.WorkerInfo(worker_id=f"d{i}", role=DECODE, address=f"h:{i}", model="m",
                                            serving=True))
     d0 = reg.workers["d0"]
-    for _ in range(3):
+    for at in (0.0, 0.0, 0.5):
+        now[0] = at
         reg.placed(d0)
-    now[0] = 2.9
+    now[0] = 0.9
     assert [load(e) for e in reg.serving(DECODE)] == [3, 0]
     _, decode, _ = place(reg, _req([1, 2, 3]), Policy(balance=1.25))
     assert decode.info.worker_id == "d1"                   # d0 is over the bound
-    now[0] = 3.1
+    now[0] = 1.1
+    assert [load(e) for e in reg.serving(DECODE)] == [1, 0]   # the two from t=0 aged out
+    d0.reported(0)
     assert [load(e) for e in reg.serving(DECODE)] == [0, 0]
