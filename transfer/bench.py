@@ -13,6 +13,7 @@ the tiny model, from the connector's own `vllm:nixl_xfer_time_seconds`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -35,14 +36,27 @@ SETTINGS = {
 }
 
 
+def setting(name: str) -> Setting:
+    """A named setting, or `ucx-threadsN`: UCX's default transports with N worker threads."""
+    if name in SETTINGS:
+        return SETTINGS[name]
+    prefix = "ucx-threads"
+    if name.startswith(prefix) and name[len(prefix):].isdigit():
+        return Setting(name, (("UCX_NET_DEVICES", "lo"),), num_threads=int(name[len(prefix):]))
+    raise SystemExit(f"unknown setting {name!r}: one of {', '.join(SETTINGS)} or ucx-threadsN")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m transfer.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="llama-3.1-8b")
+    p.add_argument("--block-tokens", type=int, default=0,
+                   help="tokens per KV block (default: the layout's; vLLM uses 16 on GPUs, "
+                        "128 on CPUs)")
     p.add_argument("--tokens", default="1024,8192,32768",
                    help="prompt lengths, comma-separated")
     p.add_argument("--settings", default=",".join(SETTINGS),
-                   help=f"UCX settings to compare, of {', '.join(SETTINGS)}")
+                   help=f"UCX settings to compare: {', '.join(SETTINGS)}, or ucx-threadsN")
     p.add_argument("--reps", type=int, default=3, help="timed transfers per way (median)")
     p.add_argument("--requests", type=int, default=16,
                    help="requests through the real engines (0: skip the engines)")
@@ -58,7 +72,9 @@ def _gib_s(nbytes: int, seconds: float) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     layout = LAYOUTS[args.layout]
-    settings = [SETTINGS[s] for s in args.settings.split(",")]
+    if args.block_tokens:
+        layout = dataclasses.replace(layout, block_tokens=args.block_tokens)
+    settings = [setting(s) for s in args.settings.split(",")]
     sizes = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         nbytes = layout.bytes(tokens)

@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--cancel", type=float, default=1 / 3, help="share cut off by the client")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=24,
+                   help="long enough that some cuts land during decode")
     p.add_argument("--words", type=int, default=120, help="prompt length, in words")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="models/tiny-llama")

@@ -13,8 +13,9 @@ worker process beside the connector and adds what vLLM lacks:
   back). A lease the worker has not heard of yet (the scheduler tells it a
   step after the prefill) is remembered and ended when it appears;
 - **claiming a lease** before a pull: `claim(id)` answers whether its blocks
-  are still held and extends its expiry, so a decoder never reads blocks that
-  were freed and reused (a one-sided READ cannot tell);
+  are still held (and extends its expiry), have been freed, or are not known
+  here yet, so a decoder never reads blocks that were freed and reused (a
+  one-sided READ cannot tell);
 - **one outcome per lease**, counted: `released` (the decoder's notification
   came), `aborted` (ended by id), `expired` (nobody came in time).
 
@@ -29,6 +30,11 @@ from collections import OrderedDict
 
 OUTCOMES = ("released", "aborted", "expired")
 _REMEMBER = 100_000           # ended lease ids kept, so a second end answers found=false
+
+
+def _request_of(lease_id: str) -> str:
+    """The caller's request id in a lease id (vLLM appends `-<8 hex>` to it)."""
+    return lease_id.rsplit("-", 1)[0]
 
 
 class Leases:
@@ -56,25 +62,33 @@ class Leases:
         return self.worker._reqs_to_send
 
     def end(self, lease_id: str, outcome: str = "aborted") -> bool:
-        """Free the lease's blocks at the next step; False if it had ended or is unknown."""
+        """Free the lease's blocks at the next step; False if it had ended or is unknown.
+
+        `lease_id` is the lease's own id or the request id the caller gave the prefill
+        (vLLM makes the lease id `<request id>-<8 hex>`): a caller cancelled before the
+        prefill answered knows only the latter."""
         if lease_id in self._ended or lease_id in self._ending:
             return False
         held = self._held()
-        if lease_id in held:
-            held[lease_id] = -math.inf
-            self._ending[lease_id] = outcome
-            return True
-        # Not known yet (or never will be): end it if it shows up within a lease.
-        self._early[lease_id] = self.clock() + self.worker._lease_extension * 1.5 + 1
-        return False
+        ids = [lease_id] if lease_id in held else [
+            i for i in held if _request_of(i) == lease_id and i not in self._ending]
+        for i in ids:
+            held[i] = -math.inf
+            self._ending[i] = outcome
+        if not ids:
+            # Not known yet (or never will be): end it if it shows up within a lease.
+            self._early[lease_id] = self.clock() + self.worker._lease_extension * 1.5 + 1
+        return bool(ids)
 
-    def claim(self, lease_id: str) -> bool:
-        """True while the lease holds its blocks; extends it for the pull that follows."""
+    def claim(self, lease_id: str) -> str:
+        """'held' (and extended for the pull that follows), 'ended', or 'unknown': the
+        worker hears of a lease a step after the prefill answers, so a claim can come
+        first (the servicer, which handed the lease out, knows it then)."""
         held = self._held()
-        if lease_id not in held or lease_id in self._ending:
-            return False
-        held[lease_id] = max(held[lease_id], self.clock() + self.worker._lease_extension)
-        return True
+        if lease_id in held and lease_id not in self._ending:
+            held[lease_id] = max(held[lease_id], self.clock() + self.worker._lease_extension)
+            return "held"
+        return "ended" if lease_id in self._ended or lease_id in self._ending else "unknown"
 
     def step(self, done_sending: set[str]) -> None:
         """After the connector's step: note new leases, count the ended ones."""
@@ -83,7 +97,8 @@ class Leases:
         for lease_id in held.keys() - self._open:
             self._open.add(lease_id)
             self.opened += 1
-            if self._early.pop(lease_id, None) is not None:
+            if (self._early.pop(lease_id, None) is not None
+                    or self._early.pop(_request_of(lease_id), None) is not None):
                 held[lease_id] = -math.inf
                 self._ending[lease_id] = "aborted"
         for lease_id in done_sending:

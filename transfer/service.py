@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -29,18 +30,32 @@ _RPC = "pdserve_leases"          # WorkerLeases' method, run in every engine wor
 class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
     """Lease control over one engine (an `AsyncLLM`)."""
 
-    def __init__(self, llm, worker_id: str):
+    def __init__(self, llm, worker_id: str, lease_seconds: float):
         self.llm = llm
         self.worker_id = worker_id
+        self.lease_seconds = lease_seconds
         self.last = {"open": 0, "opened": 0, **dict.fromkeys(OUTCOMES, 0)}
+        self._issued: dict[str, float] = {}           # lease id -> when the prefill answered
 
-    async def leases(self, op: str, lease_ids: list[str]) -> list[bool]:
-        """Run one lease operation on every rank; the ids any rank held."""
+    def issued(self, lease_id: str) -> None:
+        """The engine-protocol servicer handed this lease to a caller (in its prefill's
+        kv_transfer_params): a claim may reach the engine's workers before the lease."""
+        now = time.monotonic()
+        self._issued[lease_id] = now
+        while len(self._issued) > 1000:
+            oldest = next(iter(self._issued))
+            if now - self._issued[oldest] < self.lease_seconds:
+                break
+            del self._issued[oldest]
+
+    async def leases(self, op: str, lease_ids: list[str]) -> list:
+        """Run one lease operation on every rank; per id, the first rank's answer
+        (every rank holds its share of every lease)."""
         ranks = await self.llm.collective_rpc(_RPC, timeout=10.0, args=(op, lease_ids))
         stats = [r["stats"] for r in ranks if r["stats"] is not None]
         if stats:
-            self.last = stats[0]              # every rank sees every lease
-        return [any(r["found"][i] for r in ranks) for i in range(len(lease_ids))]
+            self.last = stats[0]
+        return ranks[0]["found"] if ranks else [False] * len(lease_ids)
 
     async def _end(self, op: str, request, context) -> transfer_pb2.LeaseResponse:
         if not request.lease_id:
@@ -60,7 +75,12 @@ class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
     async def Claim(self, request, context):
         if not request.lease_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id is required")
-        found = (await self.leases("claim", [request.lease_id]))[0]
+        state = (await self.leases("claim", [request.lease_id]))[0]
+        # Not on the workers yet, but handed out within a lease: it reaches them at
+        # the engine's next step with a whole lease before it.
+        issued = self._issued.get(request.lease_id)
+        found = state == "held" or (state == "unknown" and issued is not None
+                                    and time.monotonic() - issued < self.lease_seconds)
         return transfer_pb2.LeaseResponse(found=found)
 
     async def Stats(self, request, context):

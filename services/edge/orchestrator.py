@@ -122,7 +122,8 @@ class GenerationStream:
     def close(self) -> None:
         """End the prefill's lease if the decode never got to pull it (the request
         ended first): its blocks are freed now, not when the lease runs out."""
-        if self.leases is None or self.first_token_at is not None:
+        if self.leases is None or (self.first_token_at is not None
+                                   and not self.stats.get("pull_refused")):
             return
         leases, self.leases = self.leases, None
         lease = (self.prefill_params or {}).get("remote_request_id")
@@ -172,6 +173,7 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.prefill_fallbacks = 0
+        self._aborts: set[asyncio.Future] = set()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -201,7 +203,13 @@ class Orchestrator:
         params, stats = None, {"placement": decision.reason.split(":")[0],
                                "cached_tokens": decision.cached_tokens}
         if not decision.local_prefill:
-            params, leg = await self._prefill(gen, decision.prefill)
+            try:
+                params, leg = await self._prefill(gen, decision.prefill)
+            except asyncio.CancelledError:
+                # The client left while the prefill ran: it may have finished on the
+                # worker and leased its blocks, under our request id. End that lease now.
+                self._abort_lease(decision.prefill.address, gen.request_id)
+                raise
             stats.update(leg)
         path = "disaggregated" if params is not None else "local"
         log.info("request %s: path=%s decode=%s prefill=%s (%s)", gen.request_id, path,
@@ -238,6 +246,14 @@ class Orchestrator:
             return self._fall_back(worker, str(e))
         return params, {"prefill_worker": worker.worker_id,
                         "prefill_ms": (time.perf_counter() - started) * 1000}
+
+    def _abort_lease(self, address: str, lease_id: str) -> None:
+        task = asyncio.ensure_future(self._leases(address).Abort(
+            transfer_pb2.LeaseRequest(lease_id=lease_id, reason="client gone during prefill"),
+            timeout=2.0))
+        self._aborts.add(task)
+        task.add_done_callback(lambda t: (self._aborts.discard(t),
+                                          t.cancelled() or t.exception()))
 
     def _fall_back(self, worker: router_pb2.WorkerInfo, why: str) -> tuple[None, dict]:
         # NOTE: a failed prefill degrades to local prefill, never to an error.

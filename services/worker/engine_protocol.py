@@ -37,6 +37,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         self.max_model_len = engine.cfg.max_model_len
         self.vocab_size = engine.llm.model_config.get_vocab_size()
         self.claims = LeaseClaims()
+        self.on_lease = None            # called with each lease id a prefill hands out
 
     async def Generate(self, request, context):
         s = request.sampling_params
@@ -59,6 +60,8 @@ class WorkerEngineServicer(VllmEngineServicer):
                     n = n or len(resp.complete.output_ids)
                     prompt_tokens, cached = resp.complete.prompt_tokens, resp.complete.cached_tokens
                     ended = resp.complete.finish_reason
+                    if self.on_lease and resp.complete.HasField("kv_transfer_params_json"):
+                        self._note_lease(resp.complete.kv_transfer_params_json)
                 yield resp
         finally:
             # "cancelled": the caller went away; vLLM aborted the request as the
@@ -66,6 +69,11 @@ class WorkerEngineServicer(VllmEngineServicer):
             log.info("generate %s on %s %s after %d tokens: %d prompt tokens (%d cached), "
                      "%.1f ms%s", request.request_id, self.worker_id, ended, n, prompt_tokens,
                      cached, (time.perf_counter() - started) * 1000, _kv_note(request))
+
+    def _note_lease(self, params_json: str) -> None:
+        lease = json.loads(params_json).get("remote_request_id")
+        if lease:
+            self.on_lease(lease)
 
     async def _claim(self, request) -> None:
         """A pull whose lease is gone (or whose prefill worker is) becomes a local

@@ -34,8 +34,9 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     servicer = WorkerEngineServicer(engine, cfg.worker_id)
 
     # A prefill worker also ends and checks its engine's KV leases by id.
-    leases = (KVTransferService(engine.llm, cfg.worker_id)
+    leases = (KVTransferService(engine.llm, cfg.worker_id, cfg.kv.lease_seconds)
               if cfg.role == "prefill" and cfg.kv else None)
+    servicer.on_lease = leases.issued if leases else None
     services = [ENGINE_SERVICE] + ([LEASE_SERVICE] if leases else [])
 
     def add_servicers(server) -> None:

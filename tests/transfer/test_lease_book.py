@@ -46,7 +46,7 @@ def test_each_lease_ends_once_with_its_outcome():
     now[0] = 7.0
     worker.step(leases)                               # nobody came for "c"
     assert leases.stats() == {"open": 0, "opened": 3, "released": 1, "aborted": 1, "expired": 1}
-    assert not leases.end("a") and not leases.end("c") and not leases.claim("a")
+    assert not leases.end("a") and not leases.end("c") and leases.claim("a") == "ended"
 
 
 def test_a_claim_extends_the_lease_for_the_pull():
@@ -54,11 +54,11 @@ def test_a_claim_extends_the_lease_for_the_pull():
     worker._reqs_to_send["a"] = 6.0
     worker.step(leases)
     now[0] = 5.0
-    assert leases.claim("a")                          # held until at least 5 + 4
+    assert leases.claim("a") == "held"                # held until at least 5 + 4
     now[0] = 8.0
     worker.step(leases)
     assert leases.stats()["open"] == 1
-    assert not leases.claim("unknown")
+    assert leases.claim("unknown") == "unknown"       # the servicer decides
 
 
 def test_an_abort_that_comes_before_the_worker_knows_the_lease_still_ends_it():
@@ -75,3 +75,15 @@ def test_a_lease_opened_and_released_within_one_step_is_counted():
     worker._reqs_to_send["quick"] = 6.0
     worker.step(leases, notified={"quick"})
     assert leases.stats() == {"open": 0, "opened": 1, "released": 1, "aborted": 0, "expired": 0}
+
+
+def test_the_request_id_ends_its_lease_before_and_after_the_worker_knows_it():
+    now, worker, leases = _setup()
+    worker._reqs_to_send["req-1-0a1b2c3d"] = 6.0       # vLLM's id: <request id>-<8 hex>
+    worker.step(leases)
+    assert leases.end("req-1")                         # a caller knows only its own id
+    assert not leases.end("req-2")                     # not there yet: remembered
+    worker._reqs_to_send["req-2-deadbeef"] = 6.0
+    worker.step(leases)
+    worker.step(leases)
+    assert leases.stats() == {"open": 0, "opened": 2, "released": 0, "aborted": 2, "expired": 0}
