@@ -50,9 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m transfer.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="llama-3.1-8b")
-    p.add_argument("--block-tokens", type=int, default=0,
-                   help="tokens per KV block (default: the layout's; vLLM uses 16 on GPUs, "
-                        "128 on CPUs)")
+    p.add_argument("--block-tokens", type=int, default=128,
+                   help="tokens per KV block: vLLM's CPU block size, what the engines here "
+                        "move (GPU engines use 16: pass --block-tokens 16 for that layout)")
     p.add_argument("--tokens", default="1024,8192,32768",
                    help="prompt lengths, comma-separated")
     p.add_argument("--settings", default=",".join(SETTINGS),
@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="requests through the real engines (0: skip the engines)")
     p.add_argument("--model", default="models/tiny-llama",
                    help="model of the engine run (the tiny generated one)")
+    p.add_argument("--url", default="",
+                   help="run the engine requests through this edge (else start pdserve up)")
+    p.add_argument("--decode-metrics", default="", help="with --url: its decode engine's "
+                                                        "metrics URL")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -106,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
            "sizes": sizes}
     if args.requests:
         from .engine_run import transfer_times
-        out |= transfer_times(args.model, args.requests)
+        out |= transfer_times(args.model, args.requests, args.url, args.decode_metrics)
     return out
 
 

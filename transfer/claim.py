@@ -39,6 +39,7 @@ class LeaseClaims:
     def __init__(self, timeout: float = 0.5):
         self.timeout = timeout
         self._stubs: dict[str, transfer_pb2_grpc.KVTransferStub] = {}
+        self._no_leases: set[str] = set()              # prefill workers without the service
 
     def _stub(self, address: str) -> transfer_pb2_grpc.KVTransferStub:
         if address not in self._stubs:
@@ -48,14 +49,16 @@ class LeaseClaims:
     async def refusal(self, params: dict) -> str | None:
         """Why the blocks these params name must not be pulled, or None to pull them."""
         address, lease = params.get(PREFILL_ADDRESS), params.get("remote_request_id")
-        if not params.get("do_remote_prefill") or not address or not lease:
+        if (not params.get("do_remote_prefill") or not address or not lease
+                or address in self._no_leases):
             return None
         try:
             resp = await self._stub(address).Claim(
                 transfer_pb2.LeaseRequest(lease_id=lease), timeout=self.timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None                 # a prefill engine without leases: vLLM's rules
+                self._no_leases.add(address)   # a prefill engine without leases: vLLM's rules
+                return None
             reason = ("prefill_unreachable" if e.code() in (
                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 else "claim_failed")

@@ -70,22 +70,31 @@ def _total(series: dict, name: str) -> float:
     return sum(v for _, v in series.get(name, []))
 
 
-def transfer_times(model: str, requests: int, words: int = 220, seed: int = 0) -> dict:
-    """Per-request transfer figures of `requests` disaggregated requests."""
+def transfer_times(model: str, requests: int, url: str = "", decode_metrics: str = "",
+                   words: int = 220, seed: int = 0) -> dict:
+    """Per-request transfer figures of `requests` disaggregated requests, through the
+    stack at `url` (its decode engine's metrics at `decode_metrics`), or through a
+    `pdserve up` started here."""
+    if url:
+        return _measure(url, decode_metrics, model, requests, random.Random(seed), words)
     hw = Hardware(units=tuple(sorted(os.sched_getaffinity(0))))
     stack = PdserveStack("transfer-bench", model, local_prefill_below=0, hw=hw,
                          placement=("--prefill-saturated", "0"))
-    rng = random.Random(seed)
     try:
         url = stack.start()[0]
-        metrics = stack.decode_metrics[0]
-        _complete(url, model, prompt_text(rng, words))            # warm-up: handshake, first pull
-        before = _series(metrics)
-        prompt_tokens = [_complete(url, model, prompt_text(rng, words))["usage"]["prompt_tokens"]
-                         for _ in range(requests)]
-        after = _series(metrics)
+        return _measure(url, stack.decode_metrics[0], model, requests, random.Random(seed),
+                        words)
     finally:
         stack.stop()
+
+
+def _measure(url: str, metrics: str, model: str, requests: int, rng: random.Random,
+             words: int) -> dict:
+    _complete(url, model, prompt_text(rng, words))            # warm-up: handshake, first pull
+    before = _series(metrics)
+    prompt_tokens = [_complete(url, model, prompt_text(rng, words))["usage"]["prompt_tokens"]
+                     for _ in range(requests)]
+    after = _series(metrics)
     xfer = [(le, n - dict(_buckets(before, _XFER)).get(le, 0.0))
             for le, n in _buckets(after, _XFER)]
     count = _total(after, f"{_XFER}_count") - _total(before, f"{_XFER}_count")

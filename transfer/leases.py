@@ -32,7 +32,7 @@ OUTCOMES = ("released", "aborted", "expired")
 _REMEMBER = 100_000           # ended lease ids kept, so a second end answers found=false
 
 
-def _request_of(lease_id: str) -> str:
+def request_of(lease_id: str) -> str:
     """The caller's request id in a lease id (vLLM appends `-<8 hex>` to it)."""
     return lease_id.rsplit("-", 1)[0]
 
@@ -71,7 +71,7 @@ class Leases:
             return False
         held = self._held()
         ids = [lease_id] if lease_id in held else [
-            i for i in held if _request_of(i) == lease_id and i not in self._ending]
+            i for i in held if request_of(i) == lease_id and i not in self._ending]
         for i in ids:
             held[i] = -math.inf
             self._ending[i] = outcome
@@ -98,7 +98,7 @@ class Leases:
             self._open.add(lease_id)
             self.opened += 1
             if (self._early.pop(lease_id, None) is not None
-                    or self._early.pop(_request_of(lease_id), None) is not None):
+                    or self._early.pop(request_of(lease_id), None) is not None):
                 held[lease_id] = -math.inf
                 self._ending[lease_id] = "aborted"
         for lease_id in done_sending:

@@ -19,7 +19,7 @@ from prometheus_client.registry import REGISTRY
 
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 
-from .leases import OUTCOMES
+from .leases import OUTCOMES, request_of
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
         self.last = {"open": 0, "opened": 0, **dict.fromkeys(OUTCOMES, 0)}
-        self._issued: dict[str, float] = {}           # lease id -> when the prefill answered
+        # lease id -> when the prefill answered; removed when ended or claimed here.
+        self._issued: dict[str, float] = {}
 
     def issued(self, lease_id: str) -> None:
         """The engine-protocol servicer handed this lease to a caller (in its prefill's
@@ -60,6 +61,9 @@ class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
     async def _end(self, op: str, request, context) -> transfer_pb2.LeaseResponse:
         if not request.lease_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id is required")
+        for lease in [i for i in self._issued
+                      if i == request.lease_id or request_of(i) == request.lease_id]:
+            del self._issued[lease]
         found = (await self.leases(op, [request.lease_id]))[0]
         log.info("%s lease %s on %s: %s%s", op, request.lease_id, self.worker_id,
                  "ended" if found else "not held",
@@ -75,13 +79,17 @@ class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
     async def Claim(self, request, context):
         if not request.lease_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id is required")
+        # The first claim of a lease this worker handed out less than a lease minus a
+        # second ago is answered here: nothing can have ended it (its expiry is a lease
+        # after the prefill answered, and an Abort or Release through this service
+        # forgets it), and asking the engine's workers would wait for the engine's
+        # current step, up to a whole prefill. Any other claim asks them.
+        issued = self._issued.pop(request.lease_id, None)
+        fresh = issued is not None and time.monotonic() - issued < self.lease_seconds - 1
+        if fresh:
+            return transfer_pb2.LeaseResponse(found=True)
         state = (await self.leases("claim", [request.lease_id]))[0]
-        # Not on the workers yet, but handed out within a lease: it reaches them at
-        # the engine's next step with a whole lease before it.
-        issued = self._issued.get(request.lease_id)
-        found = state == "held" or (state == "unknown" and issued is not None
-                                    and time.monotonic() - issued < self.lease_seconds)
-        return transfer_pb2.LeaseResponse(found=found)
+        return transfer_pb2.LeaseResponse(found=state == "held")
 
     async def Stats(self, request, context):
         await self.leases("stats", [])

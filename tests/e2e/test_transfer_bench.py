@@ -36,10 +36,12 @@ def test_every_way_moves_the_blocks_where_they_belong():
     assert all(0 < s < 30 for s in seconds.values())
 
 
-def test_bench_prints_the_contract_fields():
+def test_bench_prints_the_contract_fields(stack):
     out = subprocess.run(
         [sys.executable, "-m", "transfer.bench", "--layout", "tiny", "--tokens", "1024,4096",
-         "--reps", "1", "--settings", "ucx-default,ucx-tcp", "--requests", "2", "--json"],
+         "--reps", "1", "--settings", "ucx-default,ucx-tcp", "--requests", "2",
+         "--model", stack.model, "--url", stack.url, "--decode-metrics", stack.decode_metrics,
+         "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
