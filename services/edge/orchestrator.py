@@ -128,20 +128,24 @@ class GenerationStream:
         leases, self.leases = self.leases, None
         lease = (self.prefill_params or {}).get("remote_request_id")
         if lease:
-            self._track(leases.Abort(transfer_pb2.LeaseRequest(
+            in_background(leases.Abort(transfer_pb2.LeaseRequest(
                 lease_id=lease, reason=f"request {self.gen.request_id} ended before its "
-                                       "decode"), timeout=2.0))
-
-    def _track(self, call) -> None:
-        task = asyncio.ensure_future(call)
-        self.aborts.add(task)
-        task.add_done_callback(lambda t: (self.aborts.discard(t), t.cancelled() or t.exception()))
+                                       "decode"), timeout=2.0), self.aborts)
 
     def _abort(self) -> None:
         """Tell the decode worker to drop the request (cancelling the call does too;
         this also reaches an engine whose servicer missed the cancellation)."""
-        self._track(self.decode_stub.Abort(
-            vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=2.0))
+        in_background(self.decode_stub.Abort(
+            vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=2.0),
+            self.aborts)
+
+
+def in_background(call, running: set) -> None:
+    """Run a fire-and-forget call (an Abort): kept referenced in `running` until it
+    ends, its failure swallowed (the worker may be gone; nothing waits on it)."""
+    task = asyncio.ensure_future(call)
+    running.add(task)
+    task.add_done_callback(lambda t: (running.discard(t), t.cancelled() or t.exception()))
 
 
 def _api_error(e: grpc.aio.AioRpcError, who: str) -> APIError:
@@ -248,12 +252,8 @@ class Orchestrator:
                         "prefill_ms": (time.perf_counter() - started) * 1000}
 
     def _abort_lease(self, address: str, lease_id: str) -> None:
-        task = asyncio.ensure_future(self._leases(address).Abort(
-            transfer_pb2.LeaseRequest(lease_id=lease_id, reason="client gone during prefill"),
-            timeout=2.0))
-        self._aborts.add(task)
-        task.add_done_callback(lambda t: (self._aborts.discard(t),
-                                          t.cancelled() or t.exception()))
+        in_background(self._leases(address).Abort(transfer_pb2.LeaseRequest(
+            lease_id=lease_id, reason="client gone during prefill"), timeout=2.0), self._aborts)
 
     def _fall_back(self, worker: router_pb2.WorkerInfo, why: str) -> tuple[None, dict]:
         # NOTE: a failed prefill degrades to local prefill, never to an error.
