@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> dict:
                "memcpy_gib_s": _gib_s(nbytes, memcpy_seconds(nbytes, args.reps)),
                "settings": {}}
         for s in settings:
+            print(f"transfer.bench: {tokens} tokens ({nbytes >> 20} MiB), {s.name}",
+                  file=sys.stderr, flush=True)
             row["settings"][s.name] = {w: _gib_s(nbytes, sec) for w, sec in
                                        measure(s, layout, tokens, args.reps).items()}
         sizes.append(row)
