@@ -37,12 +37,14 @@ class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
         self.last = {"open": 0, "opened": 0, **dict.fromkeys(OUTCOMES, 0)}
         # lease id -> when the prefill answered; removed when ended or claimed here.
         self._issued: dict[str, float] = {}
+        self._changed = True                          # leases came or went since the refresh
 
     def issued(self, lease_id: str) -> None:
         """The engine-protocol servicer handed this lease to a caller (in its prefill's
         kv_transfer_params): a claim may reach the engine's workers before the lease."""
         now = time.monotonic()
         self._issued[lease_id] = now
+        self._changed = True
         while len(self._issued) > 1000:
             oldest = next(iter(self._issued))
             if now - self._issued[oldest] < self.lease_seconds:
@@ -65,6 +67,7 @@ class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
                       if i == request.lease_id or request_of(i) == request.lease_id]:
             del self._issued[lease]
         found = (await self.leases(op, [request.lease_id]))[0]
+        self._changed = True
         log.info("%s lease %s on %s: %s%s", op, request.lease_id, self.worker_id,
                  "ended" if found else "not held",
                  f" ({request.reason})" if request.reason else "")
@@ -96,12 +99,16 @@ class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
         return transfer_pb2.LeaseStats(**self.last)
 
     async def refresh(self, every: float = 1.0) -> None:
-        """Keep the exported counts current (a scrape must not wait on the engine)."""
+        """Keep the exported counts current (a scrape must not wait on the engine).
+        Only while leases come and go: an idle engine is not woken every second."""
         while True:
-            try:
-                await self.leases("stats", [])
-            except Exception as e:           # an engine that is stopping: try again later
-                log.debug("lease stats unavailable: %s", e)
+            if self._changed or self.last["open"]:
+                self._changed = False
+                try:
+                    await self.leases("stats", [])
+                except Exception as e:       # an engine that is stopping: try again later
+                    log.debug("lease stats unavailable: %s", e)
+                    self._changed = True
             await asyncio.sleep(every)
 
     def collect(self):
