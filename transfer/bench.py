@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 
+from .engine_run import stdout_for_the_result
 from .layout import LAYOUTS
 from .pair import WAYS, Setting, measure, memcpy_seconds
 
@@ -136,13 +136,9 @@ def table(out: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # NIXL, UCX and vLLM log to stdout, in this process and the ones it starts:
-    # all of that goes to stderr, and stdout carries the result alone.
-    sys.stdout.flush()
-    result_fd = os.dup(1)
-    os.dup2(2, 1)
+    result = stdout_for_the_result()
     out = run(args)
-    with os.fdopen(result_fd, "w") as result:
+    with result:
         print(json.dumps(out) if args.json else table(out), file=result)
     return 0
 

@@ -7,11 +7,22 @@ import json
 import os
 import random
 import re
+import sys
 import urllib.request
 
 from pdserve.bench.deployments import Hardware, PdserveStack
 
 _XFER = "vllm:nixl_xfer_time_seconds"
+
+
+def stdout_for_the_result():
+    """Send everything this process (and what it starts) writes to stdout to stderr
+    instead: NIXL, UCX and vLLM log there. Returns a file on the old stdout, which
+    then carries the result alone."""
+    sys.stdout.flush()
+    result_fd = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(result_fd, "w")
 _BYTES = "vllm:nixl_bytes_transferred"
 
 

@@ -28,7 +28,7 @@ import grpc
 from pdserve.bench.deployments import metric_sum
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 
-from .engine_run import prompt_text
+from .engine_run import prompt_text, stdout_for_the_result
 
 _USAGE = "vllm:kv_cache_usage_perc"
 
@@ -132,9 +132,7 @@ def check(args, url: str, prefill: str, prefill_metrics: str, decode_metrics: st
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    sys.stdout.flush()
-    result_fd = os.dup(1)
-    os.dup2(2, 1)                       # logs to stderr; stdout carries the result alone
+    result = stdout_for_the_result()
     if args.url:
         out = check(args, args.url, args.prefill, args.prefill_metrics, args.decode_metrics)
     else:
@@ -150,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stack.stop()
     ok = out["leases_ended_once"] and out["kv_usage_back_to_idle"]
-    with os.fdopen(result_fd, "w") as result:
+    with result:
         if args.json:
             print(json.dumps(out | {"ok": ok}), file=result)
         else:
