@@ -65,6 +65,30 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
                         "(0: off)")
 
 
+# The edge's stream flags, which `up` passes to its edge unchanged.
+STREAM_FLAGS = ("stream_store", "stream_resume_seconds", "stream_ttl_seconds",
+                "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds")
+
+
+def _add_stream_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("streams (edge)")
+    d = EdgeConfig(model="-")
+    g.add_argument("--stream-store", default=_env("PDSERVE_STREAM_STORE", d.stream_store),
+                   help="where stream logs live: memory, or redis://HOST:PORT (shared by "
+                        "edge replicas, so a client can resume on another one)")
+    g.add_argument("--stream-resume-seconds", type=float, default=d.stream_resume_seconds,
+                   help="a generation whose readers all dropped (no cancel) runs on this "
+                        "long for one to resume, then is aborted")
+    g.add_argument("--stream-ttl-seconds", type=float, default=d.stream_ttl_seconds,
+                   help="a finished stream's log is kept this long")
+    g.add_argument("--stream-max-events", type=int, default=d.stream_max_events,
+                   help="a stream's log keeps its last this many events")
+    g.add_argument("--stream-stall-seconds", type=float, default=d.stream_stall_seconds,
+                   help="a reader whose writes are blocked this long is cut off")
+    g.add_argument("--sse-keepalive-seconds", type=float, default=d.sse_keepalive_seconds,
+                   help="an idle SSE stream gets a comment line this often")
+
+
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model or str(DEFAULT_MODEL_DIR.resolve()), served_model_name=a.served_model_name,
@@ -107,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-gpus", default="1", help="CUDA_VISIBLE_DEVICES of decode (cuda)")
     _add_engine_flags(up)
     _add_placement_flags(up)
+    _add_stream_flags(up)
 
     r = sub.add_parser("router", help="run the router")
     r.add_argument("--host", default="127.0.0.1")
@@ -145,6 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--min-prefill-workers", type=int, default=1)
     e.add_argument("--min-decode-workers", type=int, default=1)
     e.add_argument("--cpus", default="", help="cores to run on (default: any)")
+    _add_stream_flags(e)
 
     b = sub.add_parser("build-model", help="build the tiny offline model if absent")
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
@@ -218,7 +244,8 @@ def _config(a: argparse.Namespace):
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,
                           host=a.host, port=a.port, grpc_port=a.grpc_port, router=a.router,
                           min_prefill_workers=a.min_prefill_workers,
-                          min_decode_workers=a.min_decode_workers)
+                          min_decode_workers=a.min_decode_workers,
+                          **{name: getattr(a, name) for name in STREAM_FLAGS})
     if a.command == "up":
         if not 1 <= a.prefill_workers <= 16 or not 1 <= a.decode_workers <= 16:
             raise ValueError("--prefill-workers and --decode-workers must be in 1..16")

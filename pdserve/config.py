@@ -140,10 +140,24 @@ class EdgeConfig:
     min_prefill_workers: int = 1         # /health is 503 until this many serve
     min_decode_workers: int = 1
     request_timeout_seconds: float = 600.0
+    # Streams (services/edge/streams.py): where their logs live, how long a
+    # dropped generation waits for its reader, how much each log keeps.
+    stream_store: str = "memory"         # memory | redis://HOST:PORT
+    stream_resume_seconds: float = 5.0
+    stream_ttl_seconds: float = 120.0
+    stream_max_events: int = 4096
+    stream_stall_seconds: float = 10.0   # a reader blocked this long is cut off
+    sse_keepalive_seconds: float = 15.0
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a path or a model name")
+        if self.stream_store != "memory" and not self.stream_store.startswith("redis://"):
+            raise ValueError(f"stream_store must be memory or redis://HOST:PORT, "
+                             f"got {self.stream_store!r}")
+        for name in ("stream_resume_seconds", "stream_ttl_seconds", "stream_stall_seconds",
+                     "sse_keepalive_seconds", "stream_max_events"):
+            _check_positive(name, getattr(self, name))
         _check_port("port", self.port)
         _check_port("grpc_port", self.grpc_port)
         _check_positive("max_model_len", self.max_model_len)

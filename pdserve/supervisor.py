@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdserve.cli import PLACEMENT_FLAGS
+from pdserve.cli import PLACEMENT_FLAGS, STREAM_FLAGS
 from pdserve.config import EngineConfig
 
 _READY_TIMEOUT_S = 600
@@ -81,8 +81,9 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                 "--kv-port", str(a.kv_port + k), "--kv-lease-seconds", str(a.kv_lease_seconds),
                 "--worker-id", f"{role}-{i}"] + pin + metrics
                 + _engine_flags(a, eng), env))
-    placement = [arg for name in PLACEMENT_FLAGS
-                 for arg in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]
+    placement, streams = ([arg for name in names
+                           for arg in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]
+                          for names in (PLACEMENT_FLAGS, STREAM_FLAGS))
     # The gateway runs anywhere unless told: on the 2-core dev box, pinning it
     # to the prefill core measured a worse TTFT (its per-token wake-ups then
     # delay every prefill; bench/README.md).
@@ -95,7 +96,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                            "--model", eng.model, "--served-model-name", eng.name,
                            "--max-model-len", str(eng.max_model_len),
                            "--min-prefill-workers", str(a.prefill_workers),
-                           "--min-decode-workers", str(a.decode_workers)] + gateway_pin, {})]
+                           "--min-decode-workers", str(a.decode_workers)] + streams
+             + gateway_pin, {})]
 
 
 def healthy(url: str) -> bool:

@@ -21,8 +21,12 @@ from pdserve.v1 import common_pb2
 
 from . import openai_protocol as oai
 from .metrics import EdgeMetrics
+from . import sse
+from .events import render
 from .orchestrator import Generation, GenerationStream, Orchestrator
 from .prompts import PromptEncoder
+from .stream_log import BadPosition, EventsGone, StreamGone
+from .streams import LiveStream, Streams, open_store
 
 log = logging.getLogger("pdserve.edge")
 
@@ -30,6 +34,8 @@ CONFIG = web.AppKey("config", EdgeConfig)
 ORCH = web.AppKey("orchestrator", Orchestrator)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 METRICS = web.AppKey("metrics", EdgeMetrics)
+STREAMS = web.AppKey("streams", Streams)
+STREAM_ID = "x-pdserve-stream-id"
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -88,6 +94,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
     except oai.APIError as e:
         metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
         raise
+    stream.stats["started"] = started
     if stream.stats.get("prefill_fallback"):
         metrics.prefill_fallbacks.labels(cfg.name).inc()
     metrics.prompt_tokens.labels(cfg.name).inc(len(ids))
@@ -97,10 +104,14 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
     headers = {"x-pdserve-placement": stream.stats["placement"],
                "x-pdserve-worker": stream.decode_worker, "x-request-id": rid}
     metrics.running.labels(cfg.name).inc()
+    if req.stream:
+        # The generation now belongs to its stream, not to this connection.
+        live = request.app[STREAMS].start(stream, render(kind, req.include_usage, stream,
+                                                         req.model))
+        return await _stream_response(request, _ENDPOINT[kind], live, headers)
     status = "200"
     try:
-        relay = _relay_sse if req.stream else _relay_json
-        return await relay(request, req, stream, headers)
+        return await _relay_json(request, req, stream, headers)
     except oai.APIError as e:
         status = str(e.status)
         return _error_response(e, headers | {"x-pdserve-path": stream.path})
@@ -108,19 +119,27 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         status = "499"  # the client went away; leaving here cancels the decode call
         raise
     finally:
-        stream.close()                  # a lease the decode never pulled ends now
-        if stream.stats.get("pull_refused"):
-            metrics.prefill_fallbacks.labels(cfg.name).inc()
-        metrics.running.labels(cfg.name).dec()
         metrics.requests.labels(_ENDPOINT[kind], stream.path, status).inc()
-        metrics.generation_tokens.labels(cfg.name).inc(stream.completion_tokens)
-        metrics.kv_external_tokens.labels(cfg.name).inc(stream.stats.get("decode_external_tokens", 0))
-        metrics.e2e.labels(cfg.name, stream.path).observe(time.perf_counter() - started)
-        if stream.first_token_at is not None:
-            metrics.ttft.labels(cfg.name, stream.path).observe(stream.first_token_at - started)
-        log.info("request %s done: path=%s prompt=%d completion=%d status=%s %.0f ms", rid,
-                 stream.path, len(ids), stream.completion_tokens, status,
-                 (time.perf_counter() - started) * 1000)
+        _generation_ended(request.app, stream)
+
+
+def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
+    """Count a generation once it is over (streamed or not, read or abandoned)."""
+    cfg, metrics = app[CONFIG], app[METRICS]
+    stream.close()                  # a lease the decode never pulled ends now
+    if stream.stats.get("pull_refused"):
+        metrics.prefill_fallbacks.labels(cfg.name).inc()
+    metrics.running.labels(cfg.name).dec()
+    metrics.generation_tokens.labels(cfg.name).inc(stream.completion_tokens)
+    metrics.kv_external_tokens.labels(cfg.name).inc(stream.stats.get("decode_external_tokens", 0))
+    started = stream.stats["started"]
+    metrics.e2e.labels(cfg.name, stream.path).observe(time.perf_counter() - started)
+    if stream.first_token_at is not None:
+        metrics.ttft.labels(cfg.name, stream.path).observe(stream.first_token_at - started)
+    log.info("request %s done: path=%s prompt=%d completion=%d finish=%s %.0f ms",
+             stream.gen.request_id, stream.path, len(stream.gen.prompt_token_ids),
+             stream.completion_tokens, stream.finish_reason,
+             (time.perf_counter() - started) * 1000)
 
 
 async def _relay_json(request, req: oai.CompletionRequest, stream: GenerationStream,
@@ -136,55 +155,73 @@ async def _relay_json(request, req: oai.CompletionRequest, stream: GenerationStr
     return web.json_response(body, headers=headers | {"x-pdserve-path": stream.path})
 
 
-async def _relay_sse(request, req: oai.CompletionRequest, stream: GenerationStream,
-                     headers) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    rid, model, created = stream.gen.request_id, req.model, int(time.time())
-
-    async def write(data: bytes) -> None:
-        # The response starts with the first output, when the path is known; an
-        # error before it is an ordinary HTTP error, not an event in a 200 stream.
-        if not resp.prepared:
-            resp.headers["x-pdserve-path"] = stream.path
-            await resp.prepare(request)
-        await resp.write(data)
-
-    def event(text: str | None = None, finish: str | None = None) -> bytes:
-        if req.kind == "chat":
-            data = oai.chat_chunk(rid, model, created, content=text, finish_reason=finish)
-        else:
-            data = oai.completion_chunk(rid, model, created, text=text or "", finish_reason=finish)
-        return oai.sse_event(data)
-
-    # Chat opens with the assistant's role. It goes out with the first text, as
-    # vLLM's server sends it (with its first output), not before: an empty
-    # event ahead of the first token would only make the stream look faster
-    # to a client that times its first event.
-    opening = (oai.sse_event(oai.chat_chunk(rid, model, created, role="assistant", content=""))
-               if req.kind == "chat" else b"")
+async def _stream_response(request: web.Request, endpoint: str, live: LiveStream,
+                           headers: dict) -> web.StreamResponse:
+    """The client that asked reads its stream from the start, as SSE."""
+    metrics, status = request.app[METRICS], "200"
     try:
-        async with contextlib.aclosing(stream.chunks()) as chunks:
-            async for chunk in chunks:
-                if chunk.text:
-                    await write(opening + event(chunk.text))
-                    opening = b""
-        if opening:
-            await write(opening)                        # no text at all: still a role
-        await write(event(None if req.kind == "chat" else "",
-                          finish=stream.finish_reason or "stop"))
-        if req.include_usage:
-            await write(oai.sse_event(oai.usage_chunk(
-                req.kind, rid, model, created, len(stream.gen.prompt_token_ids),
-                stream.completion_tokens)))
+        cfg = request.app[CONFIG]
+        reader = await request.app[STREAMS].read(live.stream_id, 0, cfg.sse_keepalive_seconds)
+        return await sse.relay(request, reader, headers | {STREAM_ID: live.stream_id},
+                               stall_seconds=cfg.stream_stall_seconds, live=live,
+                               on_cut=metrics.streams_cut.labels("sse").inc)
     except oai.APIError as e:
-        if not resp.prepared:
-            raise
-        # Headers are gone already: the error travels inside the stream.
-        await resp.write(oai.sse_event(e.body()))
-    await resp.write(oai.sse_event("[DONE]"))
-    await resp.write_eof()
-    return resp
+        status = str(e.status)
+        return _error_response(e, headers | {"x-pdserve-path": live.generation.path})
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = "499"  # gone; the generation waits a while for it to resume
+        raise
+    finally:
+        metrics.requests.labels(endpoint, live.generation.path, status).inc()
+
+
+def _last_event_id(request: web.Request) -> int:
+    """Where a reader resumes: the `Last-Event-ID` header (as EventSource sends it),
+    else the `last_event_id` query parameter; 0 = from the start."""
+    raw = request.headers.get("Last-Event-ID", request.query.get("last_event_id", "0")).strip()
+    if not raw.isdigit() or len(raw) > 18:
+        raise oai.APIError(400, f"Last-Event-ID must be an event number, got {raw[:40]!r}",
+                           param="Last-Event-ID")
+    return int(raw)
+
+
+def stream_errors(e: Exception) -> oai.APIError:
+    """A reader that cannot start, as the error its client sees."""
+    if isinstance(e, StreamGone):
+        return oai.APIError(404, str(e), type="not_found_error", code="stream_not_found")
+    if isinstance(e, EventsGone):
+        return oai.APIError(410, str(e), param="Last-Event-ID", code="events_gone")
+    return oai.APIError(400, str(e), param="Last-Event-ID", code="bad_position")
+
+
+async def follow_stream(request: web.Request) -> web.StreamResponse:
+    """`GET /v1/streams/{id}`: the stream's events after `Last-Event-ID`, then live."""
+    cfg, metrics = request.app[CONFIG], request.app[METRICS]
+    sid, after = request.match_info["stream_id"], _last_event_id(request)
+    try:
+        reader = await request.app[STREAMS].read(sid, after, cfg.sse_keepalive_seconds)
+    except (StreamGone, EventsGone, BadPosition) as e:
+        raise stream_errors(e) from None
+    metrics.stream_resumes.labels("sse").inc()
+    return await sse.relay(request, reader, {STREAM_ID: sid},
+                           stall_seconds=cfg.stream_stall_seconds,
+                           on_cut=metrics.streams_cut.labels("sse").inc)
+
+
+async def cancel_stream(request: web.Request) -> web.Response:
+    """`DELETE /v1/streams/{id}`: stop the generation now (its KV is freed)."""
+    sid = request.match_info["stream_id"]
+    streams = request.app[STREAMS]
+    if streams.cancel(sid, "DELETE /v1/streams"):
+        return web.json_response({"id": sid, "object": "stream", "cancelled": True})
+    try:
+        await streams.store.open(sid, 0, None)          # known, and over already
+    except StreamGone as e:
+        raise stream_errors(e) from None
+    except (EventsGone, BadPosition):
+        pass
+    return web.json_response({"id": sid, "object": "stream", "cancelled": False,
+                              "finished": True})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -230,8 +267,19 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     """The aiohttp application; the caller owns the orchestrator's lifetime."""
     app = web.Application(middlewares=[_errors])
     app[CONFIG], app[ORCH], app[ENCODER], app[METRICS] = cfg, orchestrator, encoder, EdgeMetrics()
+
+    def ended(live: LiveStream) -> None:
+        app[METRICS].streams_open.dec()
+        app[METRICS].streams_ended.labels(live.ended).inc()
+        _generation_ended(app, live.generation)
+
+    app[STREAMS] = Streams(open_store(cfg), cfg.stream_resume_seconds, on_start=app[
+        METRICS].streams_open.inc, on_end=ended)
+    app.on_cleanup.append(lambda app: app[STREAMS].close())
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/streams/{stream_id}", follow_stream)
+    app.router.add_delete("/v1/streams/{stream_id}", cancel_stream)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

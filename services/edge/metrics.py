@@ -34,3 +34,13 @@ class EdgeMetrics:
         self.prefill_fallbacks = Counter(
             "pdserve_prefill_fallbacks", "Requests prefilled locally because remote prefill "
             "failed", ["model_name"], registry=r)
+        self.streams_open = Gauge("pdserve_streams_open", "Generations streaming on this edge",
+                                  registry=r)
+        self.streams_ended = Counter(
+            "pdserve_streams_ended", "Streamed generations by how they ended (finished, "
+            "cancelled, abandoned: no reader came back in the resume window, failed)",
+            ["outcome"], registry=r)
+        self.stream_resumes = Counter("pdserve_stream_resumes", "Readers that joined or "
+                                      "resumed a stream by its id", ["transport"], registry=r)
+        self.streams_cut = Counter("pdserve_streams_cut", "Readers cut off for not reading "
+                                   "(they may resume from the log)", ["transport"], registry=r)

@@ -1,0 +1,56 @@
+"""A generation's output as OpenAI stream events: the payloads SSE sends as
+`data:` and WebSocket sends as `data` of a chunk frame.
+
+Each payload is rendered once, as compact ASCII JSON text, and shared by every
+reader of the stream (see stream_log.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import AsyncIterator
+
+from . import openai_protocol as oai
+from .orchestrator import GenerationStream
+
+
+def payload(obj: dict) -> str:
+    # ASCII: any text (even a lone surrogate of a broken detokenization) is a
+    # valid escape, so the payload is safe on every transport.
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def error_payload(e: oai.APIError) -> str:
+    return payload(e.body())
+
+
+async def render(kind: oai.Kind, include_usage: bool, stream: GenerationStream, model: str
+                 ) -> AsyncIterator[list[str]]:
+    """Payload batches as the decode worker's chunks arrive: one per chunk with
+    text, then the finish chunk (and usage when asked). APIError propagates."""
+    rid, created = stream.gen.request_id, int(time.time())
+
+    def event(text: str | None = None, finish: str | None = None) -> str:
+        if kind == "chat":
+            return payload(oai.chat_chunk(rid, model, created, content=text, finish_reason=finish))
+        return payload(oai.completion_chunk(rid, model, created, text=text or "",
+                                            finish_reason=finish))
+
+    # Chat opens with the assistant's role. It goes out with the first text, as
+    # vLLM's server sends it (with its first output), not before: an empty
+    # event ahead of the first token would only make the stream look faster
+    # to a client that times its first event.
+    opening = ([payload(oai.chat_chunk(rid, model, created, role="assistant", content=""))]
+               if kind == "chat" else [])
+    async with contextlib.aclosing(stream.chunks()) as chunks:
+        async for chunk in chunks:
+            if chunk.text:
+                yield opening + [event(chunk.text)]
+                opening = []
+    last = opening + [event(None if kind == "chat" else "", stream.finish_reason or "stop")]
+    if include_usage:
+        last.append(payload(oai.usage_chunk(kind, rid, model, created,
+                                            len(stream.gen.prompt_token_ids),
+                                            stream.completion_tokens)))
+    yield last

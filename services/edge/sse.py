@@ -1,0 +1,82 @@
+"""Server-sent events out of a stream log: framing, keepalive, a slow reader cut.
+
+Each event goes out as `id: <seq>` + `data: <payload>`, so a client (a
+browser's EventSource by itself) can resume with `Last-Event-ID`. The first
+write carries a `retry:` hint; an idle stream gets a comment line every
+keepalive interval, well inside common proxy idle timeouts (60 s). A reader
+is bounded: its socket's send buffer and its transport buffer are capped, so
+a client that stops reading blocks only its own writes; after `stall_seconds`
+blocked it is cut off (it can resume from the log), and the generation and
+the other readers never wait for it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import TYPE_CHECKING, AsyncIterator
+
+from aiohttp import web
+
+from .stream_log import Event
+
+if TYPE_CHECKING:
+    from .streams import LiveStream
+
+HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+           "X-Accel-Buffering": "no"}
+RETRY_MS = 1000
+BUFFER_BYTES = 64 * 1024            # per reader: kernel send buffer, and again in user space
+
+
+def frame(batch: list[Event]) -> bytes:
+    if not batch:
+        return b": keepalive\n\n"
+    return "".join([f"id: {e.seq}\ndata: {e.data}\n\n" for e in batch]).encode()
+
+
+def bound_buffers(request: web.Request) -> None:
+    """Cap what one slow reader can hold in memory, in the kernel and here."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
+    transport.set_write_buffer_limits(high=BUFFER_BYTES)
+
+
+async def relay(request: web.Request, reader: AsyncIterator[list[Event]], headers: dict, *,
+                stall_seconds: float, live: LiveStream | None = None,
+                on_cut=lambda: None) -> web.StreamResponse:
+    """Write the reader's events as SSE until the stream ends. With `live` (the
+    request that started the generation), headers wait for its first event, and a
+    failure before any output raises as an HTTP error instead."""
+    resp = web.StreamResponse(headers={**headers, **HEADERS})
+    async with contextlib.aclosing(reader) as batches:
+        async for batch in batches:
+            if not resp.prepared:
+                if live is not None:
+                    if not batch:
+                        continue            # no keepalive before the first token
+                    if live.error is not None:
+                        raise live.error
+                    resp.headers["x-pdserve-path"] = live.generation.path
+                await resp.prepare(request)
+                bound_buffers(request)
+                await resp.write(f"retry: {RETRY_MS}\n\n".encode())
+            try:
+                async with asyncio.timeout(stall_seconds):
+                    await resp.write(frame(batch))
+            except TimeoutError:
+                on_cut()
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+    if not resp.prepared:
+        # Nothing after the client's Last-Event-ID, and the stream is over: 204
+        # tells an EventSource to stop reconnecting.
+        return web.Response(status=204, headers=headers)
+    await resp.write_eof()
+    return resp

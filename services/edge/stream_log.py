@@ -1,0 +1,192 @@
+"""Stream logs: every generation's events, in order, for whoever follows it.
+
+A generation's events (the SSE `data:` payloads, already rendered as JSON
+text) are numbered from 1 and appended to its `StreamLog`. A reader follows a
+log from any sequence number: it gets what is there, then waits for more,
+until the log is finished. Readers share the one log, so a reader costs no
+memory of its own, and the slowest reader never holds up the writer or the
+others. A log is bounded: it keeps its last `max_events` events, and lives
+`ttl` seconds after it finishes (a reader that asks for older events is told
+they are gone).
+
+`MemoryStreams` keeps logs in this process. `stream_redis.RedisStreams` keeps
+them in memory too and mirrors them into Redis Streams, so a reader can
+follow from another edge replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+DONE = "[DONE]"
+_STREAM_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+class StreamGone(Exception):
+    """The stream id is unknown here, or its log expired."""
+
+
+class EventsGone(Exception):
+    """The reader asked for events the bounded log no longer holds."""
+
+
+class BadPosition(Exception):
+    """The reader asked to start after an event the stream never had."""
+
+
+def valid_stream_id(stream_id: str) -> bool:
+    return bool(_STREAM_ID.match(stream_id))
+
+
+@dataclass(slots=True)
+class Event:
+    seq: int
+    data: str                       # JSON text, or DONE
+
+
+class StreamLog:
+    """One generation's events; `follow()` yields batches of them as they come."""
+
+    def __init__(self, stream_id: str, max_events: int, ttl: float):
+        self.stream_id = stream_id
+        self.max_events = max_events
+        self.ttl = ttl
+        self.events: list[str] = []
+        self.first_seq = 1                      # the seq of events[0]
+        self.finished_at: float | None = None
+        self._grew = asyncio.Event()            # replaced on every append
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + len(self.events) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    def append(self, data: list[str]) -> None:
+        if self.finished or not data:
+            return
+        self.events.extend(data)
+        over = len(self.events) - self.max_events
+        if over > 0:
+            del self.events[:over]
+            self.first_seq += over
+        self._wake()
+
+    def finish(self) -> None:
+        """No more events; followers drain what is there and stop."""
+        if not self.finished:
+            self.finished_at = time.monotonic()
+            self._wake()
+
+    def expired(self, now: float) -> bool:
+        return self.finished_at is not None and now - self.finished_at > self.ttl
+
+    def _wake(self) -> None:
+        grew, self._grew = self._grew, asyncio.Event()
+        grew.set()
+
+    def check_position(self, after: int) -> None:
+        """Raise if following from after `after` cannot give a gapless stream."""
+        if after < 0 or after > self.last_seq and self.finished:
+            raise BadPosition(f"the stream has {self.last_seq} events; cannot resume after "
+                              f"event {after}")
+        if after < self.first_seq - 1:
+            raise EventsGone(f"events up to {self.first_seq - 1} of this stream are no longer "
+                             f"kept; resume after event {self.first_seq - 1} or later")
+
+    def follow(self, after: int = 0, idle: float | None = None) -> AsyncIterator[list[Event]]:
+        """Events after seq `after`, in batches, until the log finishes. With `idle`,
+        an empty batch comes after that many seconds without events (keepalive time).
+        A bad position raises here, before anything is read; a reader that later
+        falls so far behind that its next event is gone gets EventsGone."""
+        self.check_position(after)
+        return self._follow(after, idle)
+
+    async def _follow(self, after: int, idle: float | None) -> AsyncIterator[list[Event]]:
+        while True:
+            grew = self._grew
+            if after < self.first_seq - 1:
+                raise EventsGone(f"fell behind: events up to {self.first_seq - 1} are gone")
+            start = after - self.first_seq + 1
+            if start < len(self.events):
+                batch = [Event(self.first_seq + start + i, d)
+                         for i, d in enumerate(self.events[start:])]
+                after = batch[-1].seq
+                yield batch
+                continue
+            if self.finished:
+                return
+            if idle is None:
+                await grew.wait()
+                continue
+            try:
+                async with asyncio.timeout(idle):
+                    await grew.wait()
+            except TimeoutError:
+                yield []
+
+
+class StreamStore(Protocol):
+    """Where stream logs live: this process only, or shared by edge replicas."""
+
+    def create(self, stream_id: str) -> StreamLog: ...
+
+    def append(self, log: StreamLog, data: list[str]) -> None: ...
+
+    def finish(self, log: StreamLog) -> None: ...
+
+    async def open(self, stream_id: str, after: int, idle: float | None
+                   ) -> AsyncIterator[list[Event]]:
+        """A reader of the stream from after `after` (see StreamLog.follow); raises
+        StreamGone, EventsGone or BadPosition before anything is read."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryStreams:
+    """Stream logs in this process; finished ones are dropped after their TTL."""
+
+    def __init__(self, max_events: int = 4096, ttl: float = 120.0):
+        self.max_events = max_events
+        self.ttl = ttl
+        self.logs: dict[str, StreamLog] = {}
+        self._swept = time.monotonic()
+
+    def create(self, stream_id: str) -> StreamLog:
+        self._sweep()
+        log = self.logs[stream_id] = StreamLog(stream_id, self.max_events, self.ttl)
+        return log
+
+    def append(self, log: StreamLog, data: list[str]) -> None:
+        log.append(data)
+
+    def finish(self, log: StreamLog) -> None:
+        log.finish()
+
+    def find(self, stream_id: str) -> StreamLog:
+        log = self.logs.get(stream_id) if valid_stream_id(stream_id) else None
+        if log is None or log.expired(time.monotonic()):
+            raise StreamGone(f"no stream {stream_id!r} (unknown, or expired)")
+        return log
+
+    async def open(self, stream_id: str, after: int, idle: float | None
+                   ) -> AsyncIterator[list[Event]]:
+        return self.find(stream_id).follow(after, idle)
+
+    def _sweep(self) -> None:
+        """Drop expired logs, at most once a second (creation pays for it)."""
+        now = time.monotonic()
+        if now - self._swept < 1.0:
+            return
+        self._swept = now
+        for sid in [sid for sid, log in self.logs.items() if log.expired(now)]:
+            del self.logs[sid]
+
+    async def close(self) -> None:
+        self.logs.clear()

@@ -1,0 +1,162 @@
+"""Live generations and who reads them.
+
+A streamed request's generation runs in a task of its own (the producer),
+which renders the decode worker's chunks into the stream's log; the client
+that asked, and anyone else with the stream id, are readers of that log. So
+the generation does not depend on any one connection:
+
+- an explicit cancel (`cancel()`: WebSocket `cancel`, `DELETE /v1/streams/{id}`,
+  an Inference `Abort`) stops the producer at once, which aborts the request on
+  the decode worker and frees its KV;
+- when the last reader goes away without a cancel, the generation runs on for
+  `resume_seconds` (a client may come back with `Last-Event-ID`); if nobody
+  does, it is cancelled the same way.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from . import openai_protocol as oai
+from .events import error_payload
+from .orchestrator import GenerationStream
+from .stream_log import DONE, Event, MemoryStreams, StreamLog, StreamStore
+
+log = logging.getLogger("pdserve.edge")
+
+
+def open_store(cfg) -> StreamStore:
+    """The stream store an EdgeConfig names."""
+    if cfg.stream_store.startswith("redis://"):
+        from .stream_redis import RedisStreams
+        return RedisStreams(cfg.stream_store, cfg.stream_max_events, cfg.stream_ttl_seconds)
+    return MemoryStreams(cfg.stream_max_events, cfg.stream_ttl_seconds)
+
+
+def new_stream_id() -> str:
+    return f"str_{secrets.token_hex(16)}"
+
+
+@dataclass(eq=False)
+class LiveStream:
+    """A generation in progress on this edge."""
+
+    stream_id: str
+    log: StreamLog
+    generation: GenerationStream
+    task: asyncio.Task | None = None
+    readers: int = 0
+    # A failure before any output: the client that asked gets it as an HTTP
+    # error, not as an event in a 200 stream.
+    error: oai.APIError | None = None
+    ended: str = ""                     # finished | cancelled | abandoned | failed
+    cancel_reason: str = ""
+    _abandon: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class Streams:
+    """The live generations of this edge, by stream id."""
+
+    def __init__(self, store: StreamStore, resume_seconds: float,
+                 on_start: Callable[[], None] = lambda: None,
+                 on_end: Callable[[LiveStream], None] = lambda live: None):
+        self.store = store
+        self.resume_seconds = resume_seconds
+        self.on_start = on_start
+        self.on_end = on_end
+        self.live: dict[str, LiveStream] = {}
+
+    def start(self, generation: GenerationStream, payloads: AsyncIterator[list[str]]
+              ) -> LiveStream:
+        """Run the generation in its own task; its events go to a new log."""
+        sid = new_stream_id()
+        live = LiveStream(sid, self.store.create(sid), generation)
+        live.task = asyncio.create_task(self._produce(live, payloads), name=f"stream-{sid}")
+        self.live[sid] = live
+        self.on_start()
+        return live
+
+    async def _produce(self, live: LiveStream, payloads: AsyncIterator[list[str]]) -> None:
+        try:
+            async with contextlib.aclosing(payloads) as batches:
+                async for batch in batches:
+                    self.store.append(live.log, batch)
+            live.ended = "finished"
+        except oai.APIError as e:
+            live.ended = "failed"
+            if live.log.last_seq == 0:
+                live.error = e
+            self.store.append(live.log, [error_payload(e)])
+        except asyncio.CancelledError:
+            # Ours alone: nothing awaits this task, so the cancellation ends here.
+            live.ended = live.ended or "cancelled"
+            self.store.append(live.log, [error_payload(oai.APIError(
+                499, f"the stream was cancelled ({live.cancel_reason or 'cancelled'})",
+                type="cancelled", code="stream_cancelled"))])
+        except Exception as e:  # noqa: BLE001 (a bug must still end the stream cleanly)
+            log.exception("stream %s failed", live.stream_id)
+            live.ended = "failed"
+            self.store.append(live.log, [error_payload(oai.APIError(
+                500, f"internal error: {type(e).__name__}", type="internal_error"))])
+        finally:
+            self.store.append(live.log, [DONE])
+            self.store.finish(live.log)
+            if live._abandon is not None:
+                live._abandon.cancel()
+            self.live.pop(live.stream_id, None)
+            self.on_end(live)
+
+    async def read(self, stream_id: str, after: int = 0, idle: float | None = None
+                   ) -> AsyncIterator[list[Event]]:
+        """A reader from after event `after`. Raises StreamGone, EventsGone or
+        BadPosition (stream_log) before anything is read."""
+        live = self.live.get(stream_id)
+        if live is None:
+            return await self.store.open(stream_id, after, idle)
+        return self._counted(live, live.log.follow(after, idle))
+
+    async def _counted(self, live: LiveStream, reader: AsyncIterator[list[Event]]
+                       ) -> AsyncIterator[list[Event]]:
+        live.readers += 1
+        if live._abandon is not None:
+            live._abandon.cancel()
+            live._abandon = None
+        try:
+            async with contextlib.aclosing(reader) as batches:
+                async for batch in batches:
+                    yield batch
+        finally:
+            live.readers -= 1
+            if live.readers == 0 and not live.log.finished:
+                live._abandon = asyncio.get_running_loop().call_later(
+                    self.resume_seconds, self._abandoned, live)
+
+    def _abandoned(self, live: LiveStream) -> None:
+        live._abandon = None
+        if live.readers == 0 and not live.log.finished:
+            log.info("stream %s: no reader came back in %.1f s; cancelling", live.stream_id,
+                     self.resume_seconds)
+            live.ended = "abandoned"
+            self.cancel(live.stream_id, "no reader came back")
+
+    def cancel(self, stream_id: str, reason: str) -> bool:
+        """Stop a live generation now (the decode worker aborts it); False if it is
+        not running here."""
+        live = self.live.get(stream_id)
+        if live is None or live.task is None or live.task.done():
+            return False
+        live.cancel_reason = reason
+        live.task.cancel()
+        return True
+
+    async def close(self) -> None:
+        """Cancel every live generation and wait for them to end."""
+        tasks = [live.task for live in self.live.values() if live.task is not None]
+        for sid in list(self.live):
+            self.cancel(sid, "the edge is shutting down")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.store.close()

@@ -1,0 +1,83 @@
+"""An edge in front of the synthetic decode worker, all in this test's process.
+
+Real parts everywhere but the model: the router probes the synthetic engine
+over vLLM's engine protocol, the edge places requests through the router and
+streams from the engine over gRPC, and clients talk real HTTP/WebSocket to it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, replace
+
+from aiohttp import web
+from smg_grpc_proto import vllm_engine_pb2_grpc
+
+from pdserve.config import EdgeConfig, RouterConfig
+from pdserve.rpc import Server
+from pdserve.v1 import router_pb2_grpc
+from services.edge.app import METRICS, STREAMS, build_app
+from services.edge.orchestrator import Orchestrator
+from services.edge.prompts import PromptEncoder
+from services.router.probes import EngineProbes
+from services.router.server import RouterService
+from services.worker.synthetic import SyntheticEngine
+from support import free_port
+
+
+@dataclass
+class EdgeStack:
+    url: str
+    model: str
+    engine: SyntheticEngine
+    app: web.Application
+
+    def body(self, max_tokens: int = 20, **extra) -> dict:
+        return {"model": self.model, "prompt": "hello", "max_tokens": max_tokens,
+                "stream": True, **extra}
+
+    @property
+    def streams(self):
+        return self.app[STREAMS]
+
+    @property
+    def metrics(self):
+        return self.app[METRICS]
+
+
+@contextlib.asynccontextmanager
+async def edge_stack(model_dir, rate: float = 200.0, **edge_options):
+    """Yield an EdgeStack; everything is stopped on exit."""
+    encoder = PromptEncoder(str(model_dir))
+    engine = SyntheticEngine(encoder.tokenizer, str(model_dir), rate)
+    engine_server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc
+                           .add_VllmEngineServicer_to_server(engine, s), [])
+    await engine_server.start()
+    router_cfg = RouterConfig(port=0, static_workers=(
+        ("decode", f"127.0.0.1:{engine_server.port}"),))
+    service = RouterService(router_cfg)
+    router = Server("127.0.0.1", 0, lambda s: router_pb2_grpc.add_RouterServicer_to_server(
+        service, s), [])
+    probes = EngineProbes(service.registry, list(router_cfg.static_workers), 0.5, service.index)
+    await router.start()
+    probes.start()
+    cfg = replace(EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}",
+                             min_prefill_workers=0), **edge_options)
+    orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer)
+    app = build_app(cfg, orchestrator, encoder)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    for _ in range(100):                        # until the router has probed the engine
+        if service.registry.snapshot():
+            break
+        await asyncio.sleep(0.05)
+    try:
+        yield EdgeStack(f"http://127.0.0.1:{port}", cfg.name, engine, app)
+    finally:
+        await runner.cleanup()
+        await orchestrator.close()
+        await probes.stop()
+        await router.stop(0)
+        await engine_server.stop(0)
