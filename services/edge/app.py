@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 
 import grpc
 from aiohttp import web
@@ -21,7 +22,7 @@ from pdserve.v1 import common_pb2
 
 from . import openai_protocol as oai
 from .metrics import EdgeMetrics
-from . import sse
+from . import sse, websocket
 from .events import render
 from .orchestrator import Generation, GenerationStream, Orchestrator
 from .prompts import PromptEncoder
@@ -80,12 +81,15 @@ def _session_key(request: web.Request, req: oai.CompletionRequest) -> str:
     return header or req.session_id or req.user or ""
 
 
-async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:
+async def begin(request: web.Request, kind: oai.Kind, raw: bytes
+                ) -> tuple[oai.CompletionRequest, GenerationStream]:
+    """Validate, tokenize, route and prefill one request (HTTP or WebSocket); raises
+    APIError (counted) when it cannot start."""
     cfg, orch, metrics = request.app[CONFIG], request.app[ORCH], request.app[METRICS]
     started = time.perf_counter()
     rid = oai.completion_id(kind)
     try:
-        req = oai.parse_request(kind, await request.read(), {cfg.name})
+        req = oai.parse_request(kind, raw, {cfg.name})
         ids = request.app[ENCODER].encode(req)
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
         stream = await orch.start(Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
@@ -99,16 +103,28 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         metrics.prefill_fallbacks.labels(cfg.name).inc()
     metrics.prompt_tokens.labels(cfg.name).inc(len(ids))
     metrics.placements.labels(cfg.name, stream.stats["placement"]).inc()
+    metrics.running.labels(cfg.name).inc()
+    return req, stream
+
+
+def start_stream(request: web.Request, req: oai.CompletionRequest, stream: GenerationStream
+                 ) -> LiveStream:
+    """Hand the generation to its stream: from now on it runs for the stream's
+    readers, not for one connection."""
+    return request.app[STREAMS].start(stream, render(req.kind, req.include_usage, stream,
+                                                     req.model))
+
+
+async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:
+    req, stream = await begin(request, kind, await request.read())
+    rid, metrics = stream.gen.request_id, request.app[METRICS]
     # x-pdserve-path is set when the response starts: the decode's first output can
     # still turn a disaggregated request local (see GenerationStream._first_chunk).
     headers = {"x-pdserve-placement": stream.stats["placement"],
                "x-pdserve-worker": stream.decode_worker, "x-request-id": rid}
-    metrics.running.labels(cfg.name).inc()
     if req.stream:
-        # The generation now belongs to its stream, not to this connection.
-        live = request.app[STREAMS].start(stream, render(kind, req.include_usage, stream,
-                                                         req.model))
-        return await _stream_response(request, _ENDPOINT[kind], live, headers)
+        return await _stream_response(request, _ENDPOINT[kind],
+                                      start_stream(request, req, stream), headers)
     status = "200"
     try:
         return await _relay_json(request, req, stream, headers)
@@ -275,9 +291,12 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
 
     app[STREAMS] = Streams(open_store(cfg), cfg.stream_resume_seconds, on_start=app[
         METRICS].streams_open.inc, on_end=ended)
+    app[websocket.SOCKETS] = weakref.WeakSet()
+    app.on_shutdown.append(websocket.drain)
     app.on_cleanup.append(lambda app: app[STREAMS].close())
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/ws", websocket.handle)
     app.router.add_get("/v1/streams/{stream_id}", follow_stream)
     app.router.add_delete("/v1/streams/{stream_id}", cancel_stream)
     app.router.add_get("/v1/models", models)
