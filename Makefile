@@ -2,7 +2,7 @@
 # Both create/refresh .venv when pyproject.toml changes.
 #   make run                      the whole stack on this CPU machine (edge on :8000)
 #   make run ARGS="--port 9000"   flags go to `pdserve up` (see README for GPU flags)
-#   make test                     stale-stub check + the whole test suite
+#   make test                     stale-stub check, Debian test servers, the whole suite
 #   make proto                    regenerate gRPC stubs after editing proto/
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -11,7 +11,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: run test proto check-proto clean
+.PHONY: run test proto check-proto system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,12 @@ endif
 run: $(STAMP)
 	$(VENV)/bin/pdserve up $(ARGS)
 
-test: $(STAMP) check-proto
+test: $(STAMP) check-proto system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# nginx, redis-server, chromium: installed when root, else named (scripts/system_deps.sh).
+system-deps:
+	@scripts/system_deps.sh
 
 proto: $(STAMP)
 	scripts/gen_proto.sh

@@ -227,17 +227,12 @@ async def follow_stream(request: web.Request) -> web.StreamResponse:
 async def cancel_stream(request: web.Request) -> web.Response:
     """`DELETE /v1/streams/{id}`: stop the generation now (its KV is freed)."""
     sid = request.match_info["stream_id"]
-    streams = request.app[STREAMS]
-    if streams.cancel(sid, "DELETE /v1/streams"):
-        return web.json_response({"id": sid, "object": "stream", "cancelled": True})
     try:
-        await streams.store.open(sid, 0, None)          # known, and over already
+        cancelled = await request.app[STREAMS].cancel_anywhere(sid, "DELETE /v1/streams")
     except StreamGone as e:
         raise stream_errors(e) from None
-    except (EventsGone, BadPosition):
-        pass
-    return web.json_response({"id": sid, "object": "stream", "cancelled": False,
-                              "finished": True})
+    return web.json_response({"id": sid, "object": "stream", "cancelled": cancelled,
+                              "finished": not cancelled})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

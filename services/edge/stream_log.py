@@ -146,6 +146,15 @@ class StreamStore(Protocol):
         StreamGone, EventsGone or BadPosition before anything is read."""
         ...
 
+    async def cancel(self, stream_id: str) -> bool:
+        """Cancel a stream no generation of this process runs: True if one elsewhere
+        will; False if it is over; StreamGone if unknown."""
+        ...
+
+    async def followed_elsewhere(self, stream_id: str) -> bool:
+        """Whether a reader outside this process follows the stream now."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -157,6 +166,7 @@ class MemoryStreams:
         self.ttl = ttl
         self.logs: dict[str, StreamLog] = {}
         self._swept = time.monotonic()
+        self.on_cancel = lambda stream_id: False    # only other processes would call it
 
     def create(self, stream_id: str) -> StreamLog:
         self._sweep()
@@ -178,6 +188,13 @@ class MemoryStreams:
     async def open(self, stream_id: str, after: int, idle: float | None
                    ) -> AsyncIterator[list[Event]]:
         return self.find(stream_id).follow(after, idle)
+
+    async def cancel(self, stream_id: str) -> bool:
+        self.find(stream_id)
+        return False                    # known, and not live here: over already
+
+    async def followed_elsewhere(self, stream_id: str) -> bool:
+        return False
 
     def _sweep(self) -> None:
         """Drop expired logs, at most once a second (creation pays for it)."""

@@ -69,6 +69,8 @@ class Streams:
         self.on_start = on_start
         self.on_end = on_end
         self.live: dict[str, LiveStream] = {}
+        store.on_cancel = lambda stream_id: self.cancel(stream_id, "cancelled on another "
+                                                                   "edge replica")
 
     def start(self, generation: GenerationStream, payloads: AsyncIterator[list[str]]
               ) -> LiveStream:
@@ -137,11 +139,25 @@ class Streams:
 
     def _abandoned(self, live: LiveStream) -> None:
         live._abandon = None
-        if live.readers == 0 and not live.log.finished:
-            log.info("stream %s: no reader came back in %.1f s; cancelling", live.stream_id,
-                     self.resume_seconds)
-            live.ended = "abandoned"
-            self.cancel(live.stream_id, "no reader came back")
+        asyncio.ensure_future(self._abandon_unless_followed(live))
+
+    async def _abandon_unless_followed(self, live: LiveStream) -> None:
+        if live.readers or live.log.finished:
+            return
+        if await self.store.followed_elsewhere(live.stream_id):
+            # A reader on another edge replica follows it: look again later.
+            live._abandon = asyncio.get_running_loop().call_later(
+                self.resume_seconds, self._abandoned, live)
+            return
+        log.info("stream %s: no reader came back in %.1f s; cancelling", live.stream_id,
+                 self.resume_seconds)
+        live.ended = "abandoned"
+        self.cancel(live.stream_id, "no reader came back")
+
+    async def cancel_anywhere(self, stream_id: str, reason: str) -> bool:
+        """Cancel the stream here, or on the replica that runs it (shared store);
+        False if it is over, StreamGone if unknown."""
+        return self.cancel(stream_id, reason) or await self.store.cancel(stream_id)
 
     def cancel(self, stream_id: str, reason: str) -> bool:
         """Stop a live generation now (the decode worker aborts it); False if it is

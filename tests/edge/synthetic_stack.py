@@ -31,6 +31,7 @@ class EdgeStack:
     model: str
     engine: SyntheticEngine
     app: web.Application
+    replicas: list[tuple[str, web.Application]]     # every edge (the first is url/app)
 
     def body(self, max_tokens: int = 20, **extra) -> dict:
         return {"model": self.model, "prompt": "hello", "max_tokens": max_tokens,
@@ -46,8 +47,8 @@ class EdgeStack:
 
 
 @contextlib.asynccontextmanager
-async def edge_stack(model_dir, rate: float = 200.0, **edge_options):
-    """Yield an EdgeStack; everything is stopped on exit."""
+async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, **edge_options):
+    """Yield an EdgeStack (`replicas` edges on one router); everything is stopped on exit."""
     encoder = PromptEncoder(str(model_dir))
     engine = SyntheticEngine(encoder.tokenizer, str(model_dir), rate)
     engine_server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc
@@ -63,21 +64,26 @@ async def edge_stack(model_dir, rate: float = 200.0, **edge_options):
     probes.start()
     cfg = replace(EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}",
                              min_prefill_workers=0), **edge_options)
-    orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer)
-    app = build_app(cfg, orchestrator, encoder)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    edges = []
+    for _ in range(replicas):
+        orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer)
+        app = build_app(cfg, orchestrator, encoder)
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        edges.append((f"http://127.0.0.1:{port}", app, runner, orchestrator))
     for _ in range(100):                        # until the router has probed the engine
         if service.registry.snapshot():
             break
         await asyncio.sleep(0.05)
     try:
-        yield EdgeStack(f"http://127.0.0.1:{port}", cfg.name, engine, app)
+        yield EdgeStack(edges[0][0], cfg.name, engine, edges[0][1],
+                        [(url, app) for url, app, _, _ in edges])
     finally:
-        await runner.cleanup()
-        await orchestrator.close()
+        for _, _, runner, orchestrator in edges:
+            await runner.cleanup()
+            await orchestrator.close()
         await probes.stop()
         await router.stop(0)
         await engine_server.stop(0)
