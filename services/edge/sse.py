@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
            "X-Accel-Buffering": "no"}
-RETRY_MS = 1000
+# The reconnect hint rides on the first event: a block holding only `retry:`
+# reads as an event with empty data to some clients (OpenAI's SDK).
+RETRY = b"retry: 1000\n"
 BUFFER_BYTES = 64 * 1024            # per reader: kernel send buffer, and again in user space
 
 
@@ -54,6 +56,7 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
     request that started the generation), headers wait for its first event, and a
     failure before any output raises as an HTTP error instead."""
     resp = web.StreamResponse(headers={**headers, **HEADERS})
+    hint = True
     async with contextlib.aclosing(reader) as batches:
         async for batch in batches:
             if not resp.prepared:
@@ -65,10 +68,12 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
                     resp.headers["x-pdserve-path"] = live.generation.path
                 await resp.prepare(request)
                 bound_buffers(request)
-                await resp.write(f"retry: {RETRY_MS}\n\n".encode())
+            data = frame(batch)
+            if hint and batch:
+                data, hint = RETRY + data, False
             try:
                 async with asyncio.timeout(stall_seconds):
-                    await resp.write(frame(batch))
+                    await resp.write(data)
             except TimeoutError:
                 on_cut()
                 if request.transport is not None:
