@@ -68,3 +68,18 @@ class Proc:
 
 def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]
+
+
+def parse_sse(raw: str) -> list[tuple[int | None, str]]:
+    """(id, data) per event; comments and retry lines skipped."""
+    events = []
+    for block in raw.split("\n\n"):
+        ident, data = None, None
+        for line in block.split("\n"):
+            if line.startswith("id: "):
+                ident = int(line[4:])
+            elif line.startswith("data: "):
+                data = line[6:]
+        if data is not None:
+            events.append((ident, data))
+    return events

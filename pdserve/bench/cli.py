@@ -6,6 +6,8 @@
     pdserve bench router [--json]                   placement replayed on a chat trace (simulator)
     pdserve bench sessions [--json]                 multi-turn chat on 2 decode workers: pdserve
                                                     vs SMG cache_aware / consistent_hashing
+    pdserve bench edge [--streams N] [--rate R]     N concurrent SSE streams: direct, through
+                       [--duration S] [--json]      nginx, through pdserve's edge
 """
 from __future__ import annotations
 
@@ -234,6 +236,52 @@ def _sessions(argv: list[str]) -> int:
     return 0
 
 
+def _edge(argv: list[str]) -> int:
+    import signal
+
+    from pdserve.cli import DEFAULT_MODEL_DIR
+    from pdserve.tiny_model import ensure_tiny_model
+
+    from .edge import NGINX, PATHS, Settings, bench_edge, table
+
+    p = argparse.ArgumentParser(prog="pdserve bench edge",
+                                description="Concurrent SSE streams from a synthetic token "
+                                            "source: direct, through nginx and through "
+                                            "pdserve's edge, one after another in one run.")
+    p.add_argument("--streams", type=int, default=1000, help="concurrent streams per path")
+    p.add_argument("--rate", type=float, default=20.0, help="tokens per second per stream")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds each stream lasts")
+    p.add_argument("--ramp", type=float, default=1.0, help="stream starts spread over this")
+    p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of "
+                                                             + ",".join(PATHS))
+    p.add_argument("--smoke", action="store_true", help="20 streams for 2 s: checks the runner")
+    p.add_argument("--model", default="", help=f"tokenizer dir (default: {DEFAULT_MODEL_DIR})")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    a = p.parse_args(argv)
+    paths = [x.strip() for x in a.paths.split(",") if x.strip()]
+    if a.smoke:
+        a.streams, a.rate, a.duration = 20, 20.0, 2.0
+    if (not paths or set(paths) - set(PATHS) or min(a.streams, a.clients) < 1
+            or a.rate <= 0 or a.duration <= 0 or a.ramp < 0):
+        print(f"pdserve bench edge: --paths is a subset of {','.join(PATHS)}; --streams, "
+              "--clients, --rate and --duration must be > 0", file=sys.stderr)
+        return 2
+    if "nginx" in paths and not os.path.exists(NGINX):
+        print(f"pdserve bench edge: {NGINX} not found (apt-get install nginx, or leave nginx "
+              "out of --paths)", file=sys.stderr)
+        return 2
+    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    st = Settings(a.streams, a.rate, a.duration, a.ramp, min(a.clients, a.streams))
+    # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
+    signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
+    with contextlib.redirect_stdout(sys.stderr):
+        result = bench_edge(st, paths, model)
+    result["command"] = "pdserve bench edge " + shlex.join(argv)
+    print(json.dumps(result) if a.json else table(result))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Dispatch `pdserve bench <what> ...`."""
     if argv[:1] == ["serve"]:
@@ -246,5 +294,7 @@ def main(argv: list[str]) -> int:
         return _router(argv[1:])
     if argv[:1] == ["sessions"]:
         return _sessions(argv[1:])
+    if argv[:1] == ["edge"]:
+        return _edge(argv[1:])
     print(__doc__.strip(), file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from cases import CASES, MAX_TOKENS, Case
-from support import metric_sum
+from support import metric_sum, parse_sse
 from engine_client import flush_prefix_cache, generate
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from transfer.connector import request_params_for_decode, request_params_for_prefill
@@ -30,10 +30,12 @@ def _sse_stream(stack, case: Case) -> tuple[str, dict, dict]:
     with urllib.request.urlopen(req, timeout=120) as r:
         headers = dict(r.headers)
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        events = r.read().decode().split("\n\n")
-    assert events[-2:] == ["data: [DONE]", ""], events[-3:]
-    for ev in events[:-2]:
-        data = json.loads(ev.removeprefix("data: "))
+        events = parse_sse(r.read().decode())
+    assert [i for i, _ in events] == list(range(1, len(events) + 1))   # resumable: ids
+    assert headers["x-pdserve-stream-id"].startswith("str_")
+    assert events[-1][1] == "[DONE]", events[-3:]
+    for _, ev in events[:-1]:
+        data = json.loads(ev)
         if data.get("usage"):
             usage = data["usage"]
         for choice in data["choices"]:

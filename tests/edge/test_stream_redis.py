@@ -14,7 +14,8 @@ import pytest
 from services.worker.synthetic import read_stamps
 from support import Proc, free_port
 from synthetic_stack import edge_stack
-from test_streams import parse_sse, text_of
+from support import parse_sse
+from test_streams import text_of
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (make test installs it "

@@ -12,22 +12,8 @@ import aiohttp
 import pytest
 
 from services.worker.synthetic import read_stamps
+from support import parse_sse
 from synthetic_stack import edge_stack
-
-
-def parse_sse(raw: str) -> list[tuple[int | None, str]]:
-    """(id, data) per event; comments and retry lines skipped."""
-    events = []
-    for block in raw.split("\n\n"):
-        ident, data = None, None
-        for line in block.split("\n"):
-            if line.startswith("id: "):
-                ident = int(line[4:])
-            elif line.startswith("data: "):
-                data = line[6:]
-        if data is not None:
-            events.append((ident, data))
-    return events
 
 
 def text_of(events) -> str:

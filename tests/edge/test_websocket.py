@@ -12,7 +12,8 @@ import websockets
 
 from services.worker.synthetic import read_stamps
 from synthetic_stack import edge_stack
-from test_streams import parse_sse, text_of
+from support import parse_sse
+from test_streams import text_of
 
 
 @pytest.fixture
