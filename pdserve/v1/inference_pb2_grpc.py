@@ -28,6 +28,11 @@ if _version_not_supported:
 class InferenceStub:
     """The internal inference API: what the edge offers over HTTP, for services
     that call pdserve directly over gRPC. Same admission, routing and streaming.
+    Every generation has a stream id and numbered events, as over SSE: another
+    call can follow it (`follow`), from any event on, on any edge replica that
+    shares the stream store. Cancelling the call that started a generation
+    cancels it (as an explicit cancel does); a follower cancelling only stops
+    following.
     """
 
     def __init__(self, channel):
@@ -51,6 +56,11 @@ class InferenceStub:
 class InferenceServicer:
     """The internal inference API: what the edge offers over HTTP, for services
     that call pdserve directly over gRPC. Same admission, routing and streaming.
+    Every generation has a stream id and numbered events, as over SSE: another
+    call can follow it (`follow`), from any event on, on any edge replica that
+    shares the stream store. Cancelling the call that started a generation
+    cancels it (as an explicit cancel does); a follower cancelling only stops
+    following.
     """
 
     def Generate(self, request, context):
@@ -89,6 +99,11 @@ def add_InferenceServicer_to_server(servicer, server):
 class Inference:
     """The internal inference API: what the edge offers over HTTP, for services
     that call pdserve directly over gRPC. Same admission, routing and streaming.
+    Every generation has a stream id and numbered events, as over SSE: another
+    call can follow it (`follow`), from any event on, on any edge replica that
+    shares the stream store. Cancelling the call that started a generation
+    cancels it (as an explicit cancel does); a follower cancelling only stops
+    following.
     """
 
     @staticmethod

@@ -98,13 +98,20 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
     except oai.APIError as e:
         metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
         raise
+    admitted(request.app, stream, started)
+    return req, stream
+
+
+def admitted(app: web.Application, stream: GenerationStream, started: float) -> None:
+    """Count a generation that starts (HTTP, WebSocket or Inference gRPC);
+    `_generation_ended` counts its end."""
+    cfg, metrics = app[CONFIG], app[METRICS]
     stream.stats["started"] = started
     if stream.stats.get("prefill_fallback"):
         metrics.prefill_fallbacks.labels(cfg.name).inc()
-    metrics.prompt_tokens.labels(cfg.name).inc(len(ids))
+    metrics.prompt_tokens.labels(cfg.name).inc(len(stream.gen.prompt_token_ids))
     metrics.placements.labels(cfg.name, stream.stats["placement"]).inc()
     metrics.running.labels(cfg.name).inc()
-    return req, stream
 
 
 def start_stream(request: web.Request, req: oai.CompletionRequest, stream: GenerationStream

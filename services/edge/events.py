@@ -54,3 +54,16 @@ async def render(kind: oai.Kind, include_usage: bool, stream: GenerationStream, 
                                             len(stream.gen.prompt_token_ids),
                                             stream.completion_tokens)))
     yield last
+
+
+async def render_inference(stream: GenerationStream) -> AsyncIterator[list[str]]:
+    """Payload batches for the internal Inference API: token ids, text, and the
+    counts on the last one (under an "inference" key: not an OpenAI chunk)."""
+    async with contextlib.aclosing(stream.chunks()) as chunks:
+        async for chunk in chunks:
+            out = {"token_ids": chunk.token_ids, "text": chunk.text, "path": stream.path}
+            if chunk.finish_reason:
+                out |= {"finish_reason": chunk.finish_reason,
+                        "prompt_tokens": len(stream.gen.prompt_token_ids),
+                        "completion_tokens": stream.completion_tokens}
+            yield [payload({"inference": out})]

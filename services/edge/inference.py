@@ -2,13 +2,16 @@
 
 Same validation, placement and streaming as HTTP (it shares the orchestrator
 and the prompt encoder); errors are gRPC status codes instead of OpenAI JSON.
-`Abort` ends an in-flight `Generate` by request id, from any connection.
+Generations run as streams (streams.py): `Generate` with `follow` reads one
+by its stream id from any event on; `Abort` ends a generation by request id
+or stream id, from any connection.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import json
 import logging
+import time
 import uuid
 
 import grpc
@@ -16,9 +19,11 @@ import grpc
 from pdserve.config import EdgeConfig
 from pdserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
+from .events import render_inference
 from .openai_protocol import APIError, check_context
 from .orchestrator import Generation, Orchestrator
 from .prompts import PromptEncoder
+from .stream_log import DONE, BadPosition, EventsGone, StreamGone
 
 log = logging.getLogger("pdserve.edge")
 
@@ -39,14 +44,29 @@ def _check_sampling(p: common_pb2.SamplingParams) -> None:
         raise APIError(400, "sampling.top_k and sampling.repetition_penalty must be >= 0")
 
 
-class InferenceService(inference_pb2_grpc.InferenceServicer):
-    """Generate/Abort over the same orchestration the HTTP handlers use."""
+def _status_of(error: dict) -> grpc.StatusCode:
+    """An error event's gRPC status."""
+    if error.get("code") == "stream_cancelled":
+        return grpc.StatusCode.CANCELLED
+    return _BY_TYPE.get(error.get("type"), grpc.StatusCode.INTERNAL)
 
-    def __init__(self, cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder):
+
+_BY_TYPE = {"invalid_request_error": grpc.StatusCode.INVALID_ARGUMENT,
+            "not_found_error": grpc.StatusCode.NOT_FOUND,
+            "server_overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "service_unavailable": grpc.StatusCode.UNAVAILABLE}
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    """Generate/Abort over the same orchestration and streams the HTTP handlers use."""
+
+    def __init__(self, cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder,
+                 app):
         self.cfg = cfg
         self.orchestrator = orchestrator
         self.encoder = encoder
-        self.running: dict[str, asyncio.Task] = {}
+        self.app = app
+        self.running: dict[str, str] = {}           # request id -> its stream id
 
     def _prepare(self, request: inference_pb2.GenerateRequest) -> Generation:
         if request.model and request.model != self.cfg.name:
@@ -70,6 +90,20 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                           session_id=request.session_id)
 
     async def Generate(self, request, context):
+        from .app import STREAMS, admitted
+        streams = self.app[STREAMS]
+        if request.HasField("follow"):
+            sid = request.follow.stream_id
+            try:
+                reader = await streams.read(sid, request.follow.after_seq)
+            except StreamGone as e:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            except (EventsGone, BadPosition) as e:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+            async for out in self._chunks(reader, sid, "", context):
+                yield out
+            return
+        started = time.perf_counter()
         try:
             gen = self._prepare(request)
             if gen.request_id in self.running:
@@ -78,44 +112,55 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             stream = await self.orchestrator.start(gen)
         except APIError as e:
             await context.abort(_STATUS.get(e.status, grpc.StatusCode.INTERNAL), e.message)
-        # The decode stream is pumped by its own task so that Abort, arriving on
-        # another call, can cancel it; the finished task itself marks the end.
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump() -> None:
-            async with contextlib.aclosing(stream.chunks()) as chunks:
-                async for chunk in chunks:
-                    queue.put_nowait(chunk)
-
-        task = asyncio.create_task(pump(), name=f"generate-{gen.request_id}")
-        task.add_done_callback(queue.put_nowait)
-        self.running[gen.request_id] = task
+        admitted(self.app, stream, started)
+        live = streams.start(stream, render_inference(stream))
+        self.running[gen.request_id] = live.stream_id
         try:
-            while not isinstance(item := await queue.get(), asyncio.Task):
-                out = inference_pb2.GenerateChunk(request_id=gen.request_id,
-                                                  token_ids=item.token_ids, text=item.text,
-                                                  path=stream.path)
-                if item.finish_reason:
-                    out.finish_reason = _FINISH.get(item.finish_reason,
-                                                    common_pb2.FINISH_REASON_ABORT)
-                    out.prompt_tokens = len(gen.prompt_token_ids)
-                    out.completion_tokens = stream.completion_tokens
+            reader = await streams.read(live.stream_id, 0)
+            async for out in self._chunks(reader, live.stream_id, gen.request_id, context):
                 yield out
         finally:
-            task.cancel()  # the caller went away: stop decoding for nobody
             self.running.pop(gen.request_id, None)
+            # The caller went away (or cancelled): stop decoding for nobody.
+            streams.cancel(live.stream_id, "the Inference call ended")
         log.info("inference %s done: path=%s completion=%d finish=%s", gen.request_id,
                  stream.path, stream.completion_tokens, stream.finish_reason)
-        if item.cancelled():
-            await context.abort(grpc.StatusCode.CANCELLED, f"request {gen.request_id} aborted")
-        if isinstance(item.exception(), APIError):
-            e = item.exception()
-            await context.abort(_STATUS.get(e.status, grpc.StatusCode.INTERNAL), e.message)
-        if item.exception() is not None:
-            raise item.exception()
+
+    async def _chunks(self, reader, stream_id: str, request_id: str, context):
+        """The stream's events as GenerateChunks; an error event ends the call with
+        its status."""
+        async with contextlib.aclosing(reader) as batches:
+            async for batch in batches:
+                for event in batch:
+                    if event.data == DONE:
+                        return
+                    obj = json.loads(event.data)
+                    if "error" in obj:
+                        await context.abort(_status_of(obj["error"]), obj["error"]["message"])
+                    if "inference" not in obj:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                            "this stream was started over HTTP: follow it "
+                                            f"with GET /v1/streams/{stream_id}")
+                    c = obj["inference"]
+                    out = inference_pb2.GenerateChunk(
+                        request_id=request_id, token_ids=c["token_ids"], text=c["text"],
+                        path=c["path"], stream_id=stream_id, seq=event.seq)
+                    if c.get("finish_reason"):
+                        out.finish_reason = _FINISH.get(c["finish_reason"],
+                                                        common_pb2.FINISH_REASON_ABORT)
+                        out.prompt_tokens = c["prompt_tokens"]
+                        out.completion_tokens = c["completion_tokens"]
+                    yield out
 
     async def Abort(self, request, context):
-        task = self.running.get(request.request_id)
-        if task is not None:
-            task.cancel()  # the Generate call ends CANCELLED; decode is cancelled with it
-        return inference_pb2.AbortResponse(found=task is not None)
+        from .app import STREAMS
+        streams = self.app[STREAMS]
+        if request.stream_id:
+            try:
+                found = await streams.cancel_anywhere(request.stream_id, "Inference Abort")
+            except StreamGone:
+                found = False
+        else:
+            sid = self.running.get(request.request_id)
+            found = sid is not None and streams.cancel(sid, "Inference Abort")
+        return inference_pb2.AbortResponse(found=found)

@@ -23,7 +23,7 @@ async def serve(cfg: EdgeConfig) -> None:
     encoder = PromptEncoder(cfg.model)
     orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer)
     app = build_app(cfg, orchestrator, encoder)
-    inference = InferenceService(cfg, orchestrator, encoder)
+    inference = InferenceService(cfg, orchestrator, encoder, app)
     grpc_server = Server(cfg.host, cfg.grpc_port,
                          lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(inference, s),
                          ["pdserve.v1.Inference"])

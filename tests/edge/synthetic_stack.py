@@ -15,8 +15,9 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
-from pdserve.v1 import router_pb2_grpc
+from pdserve.v1 import inference_pb2_grpc, router_pb2_grpc
 from services.edge.app import METRICS, STREAMS, build_app
+from services.edge.inference import InferenceService
 from services.edge.orchestrator import Orchestrator
 from services.edge.prompts import PromptEncoder
 from services.router.probes import EngineProbes
@@ -32,6 +33,7 @@ class EdgeStack:
     engine: SyntheticEngine
     app: web.Application
     replicas: list[tuple[str, web.Application]]     # every edge (the first is url/app)
+    inference: str                                   # the first edge's Inference gRPC API
 
     def body(self, max_tokens: int = 20, **extra) -> dict:
         return {"model": self.model, "prompt": "hello", "max_tokens": max_tokens,
@@ -73,14 +75,20 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, **edge_o
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         edges.append((f"http://127.0.0.1:{port}", app, runner, orchestrator))
+    inference = InferenceService(cfg, edges[0][3], encoder, edges[0][1])
+    inference_server = Server("127.0.0.1", 0, lambda s: inference_pb2_grpc
+                              .add_InferenceServicer_to_server(inference, s), [])
+    await inference_server.start()
     for _ in range(100):                        # until the router has probed the engine
         if service.registry.snapshot():
             break
         await asyncio.sleep(0.05)
     try:
         yield EdgeStack(edges[0][0], cfg.name, engine, edges[0][1],
-                        [(url, app) for url, app, _, _ in edges])
+                        [(url, app) for url, app, _, _ in edges],
+                        f"127.0.0.1:{inference_server.port}")
     finally:
+        await inference_server.stop(0)
         for _, _, runner, orchestrator in edges:
             await runner.cleanup()
             await orchestrator.close()
