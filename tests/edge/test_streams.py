@@ -177,3 +177,37 @@ async def test_bad_stream_ids_and_positions_are_clear_4xx(stack, sid, last, stat
             assert r.status == 404
         async with http.post(f"{stack.url}/v1/completions", json=stack.body(3)) as r:
             assert r.status == 200                 # and the next request works
+
+
+async def test_keepalive_comments_bounded_log_and_expiry(model_dir):
+    async with edge_stack(model_dir, rate=4.0, sse_keepalive_seconds=0.1, stream_max_events=5,
+                          stream_ttl_seconds=1.0) as stack:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.url}/v1/completions", json=stack.body(4)) as r:
+                sid = r.headers["x-pdserve-stream-id"]
+                raw = await r.text()
+            # 4 tokens 250 ms apart, keepalive every 100 ms: comments in between.
+            assert raw.count(": keepalive\n\n") >= 2
+            assert len(parse_sse(raw)) == 6                 # 4 tokens, the finish, [DONE]
+            async with http.get(f"{stack.url}/v1/streams/{sid}") as r:
+                assert r.status == 410                       # event 1 is no longer kept
+                assert (await r.json())["error"]["code"] == "events_gone"
+            async with http.get(f"{stack.url}/v1/streams/{sid}",
+                                headers={"Last-Event-ID": "1"}) as r:
+                assert [i for i, _ in parse_sse(await r.text())] == [2, 3, 4, 5, 6]
+            await asyncio.sleep(1.2)
+            async with http.get(f"{stack.url}/v1/streams/{sid}",
+                                headers={"Last-Event-ID": "1"}) as r:
+                assert r.status == 404                       # expired
+
+
+async def test_shutdown_closes_websockets_with_1001(stack):
+    import websockets
+    async with websockets.connect(stack.url.replace("http", "ws") + "/v1/ws") as ws:
+        await ws.send(json.dumps({"model": stack.model, "prompt": "hi", "max_tokens": 1000}))
+        await ws.recv()
+        await stack.app.shutdown()
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                await ws.recv()
+        assert ws.close_code == 1001
