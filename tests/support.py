@@ -46,6 +46,19 @@ class Proc:
         raise AssertionError(f"{self.name}: no {text!r} within {timeout}s "
                              f"(exit {self.popen.poll()}). Log tail:\n{tail}")
 
+    def wait_listening(self, port: int, timeout: float = 10) -> None:
+        """Block until something accepts connections on 127.0.0.1:`port`."""
+        import socket
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.popen.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"{self.name}: nothing listens on :{port}. Log tail:\n"
+                             + "\n".join(self.lines[-30:]))
+
     def descendants(self) -> list[int]:
         """PIDs of every process in the child's tree (it runs in its own session)."""
         import psutil

@@ -6,7 +6,6 @@ import asyncio
 import json
 import random
 import shutil
-import socket
 
 import aiohttp
 import pytest
@@ -27,13 +26,7 @@ def redis_url():
     port = free_port()
     proc = Proc(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no"], name="redis-server")
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            import time
-            time.sleep(0.05)
+    proc.wait_listening(port)
     try:
         yield f"redis://127.0.0.1:{port}"
     finally:
