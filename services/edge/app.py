@@ -1,9 +1,12 @@
-"""The edge's HTTP surface: OpenAI-compatible routes, SSE streaming, health, metrics.
+"""The edge's HTTP surface: OpenAI-compatible routes, streams, health, metrics.
 
 Handlers validate and tokenize, let the orchestrator place the request, then
-relay the decode worker's chunks. Every error a client sees is OpenAI-shaped
-JSON (mapped in `_errors`); once an SSE stream has started, an error becomes
-one `data: {"error": ...}` event followed by `[DONE]`.
+either relay the decode worker's chunks as one JSON response, or hand the
+generation to its stream (streams.py) and read that stream as SSE, like any
+other reader (`GET /v1/streams/{id}`, the WebSocket in websocket.py). Every
+error a client sees is OpenAI-shaped JSON (mapped in `_errors`); once an SSE
+stream has started, an error becomes one `data: {"error": ...}` event followed
+by `[DONE]`.
 """
 from __future__ import annotations
 
