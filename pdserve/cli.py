@@ -65,14 +65,17 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
                         "(0: off)")
 
 
-# The edge's stream flags, which `up` passes to its edge unchanged.
-STREAM_FLAGS = ("stream_store", "stream_resume_seconds", "stream_ttl_seconds",
+# The edge's admission and stream flags, which `up` passes to its edge unchanged.
+EDGE_FLAGS = ("api_keys_file", "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
                 "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds")
 
 
-def _add_stream_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("streams (edge)")
+def _add_edge_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("admission and streams (edge)")
     d = EdgeConfig(model="-")
+    g.add_argument("--api-keys-file", default=_env("PDSERVE_API_KEYS_FILE", ""),
+                   help="API keys, one `KEY TENANT high|normal|low [rps=N] [tpm=N]` per line "
+                        "(none: the API is open to whoever reaches the port)")
     g.add_argument("--stream-store", default=_env("PDSERVE_STREAM_STORE", d.stream_store),
                    help="where stream logs live: memory, or redis://HOST:PORT (shared by "
                         "edge replicas, so a client can resume on another one)")
@@ -131,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-gpus", default="1", help="CUDA_VISIBLE_DEVICES of decode (cuda)")
     _add_engine_flags(up)
     _add_placement_flags(up)
-    _add_stream_flags(up)
+    _add_edge_flags(up)
 
     r = sub.add_parser("router", help="run the router")
     r.add_argument("--host", default="127.0.0.1")
@@ -170,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--min-prefill-workers", type=int, default=1)
     e.add_argument("--min-decode-workers", type=int, default=1)
     e.add_argument("--cpus", default="", help="cores to run on (default: any)")
-    _add_stream_flags(e)
+    _add_edge_flags(e)
 
     b = sub.add_parser("build-model", help="build the tiny offline model if absent")
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
@@ -245,7 +248,7 @@ def _config(a: argparse.Namespace):
                           host=a.host, port=a.port, grpc_port=a.grpc_port, router=a.router,
                           min_prefill_workers=a.min_prefill_workers,
                           min_decode_workers=a.min_decode_workers,
-                          **{name: getattr(a, name) for name in STREAM_FLAGS})
+                          **{name: getattr(a, name) for name in EDGE_FLAGS})
     if a.command == "up":
         if not 1 <= a.prefill_workers <= 16 or not 1 <= a.decode_workers <= 16:
             raise ValueError("--prefill-workers and --decode-workers must be in 1..16")

@@ -142,6 +142,7 @@ class EdgeConfig:
     request_timeout_seconds: float = 600.0
     # Streams (services/edge/streams.py): where their logs live, how long a
     # dropped generation waits for its reader, how much each log keeps.
+    api_keys_file: str = ""              # KEY TENANT PRIORITY [rps=N] [tpm=N] per line; "" open
     stream_store: str = "memory"         # memory | redis://HOST:PORT
     stream_resume_seconds: float = 5.0
     stream_ttl_seconds: float = 120.0

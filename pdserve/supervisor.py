@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdserve.cli import PLACEMENT_FLAGS, STREAM_FLAGS
+from pdserve.cli import PLACEMENT_FLAGS, EDGE_FLAGS
 from pdserve.config import EngineConfig
 
 _READY_TIMEOUT_S = 600
@@ -83,7 +83,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                 + _engine_flags(a, eng), env))
     placement, streams = ([arg for name in names
                            for arg in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]
-                          for names in (PLACEMENT_FLAGS, STREAM_FLAGS))
+                          for names in (PLACEMENT_FLAGS, EDGE_FLAGS))
     # The gateway runs anywhere unless told: on the 2-core dev box, pinning it
     # to the prefill core measured a worse TTFT (its per-token wake-ups then
     # delay every prefill; bench/README.md).

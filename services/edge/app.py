@@ -27,6 +27,8 @@ from . import openai_protocol as oai
 from .metrics import EdgeMetrics
 from . import sse, websocket
 from .events import render
+from .keys import APIKey, KeyRing
+from .limits import RateLimits
 from .orchestrator import Generation, GenerationStream, Orchestrator
 from .prompts import PromptEncoder
 from .stream_log import BadPosition, EventsGone, StreamGone
@@ -39,15 +41,34 @@ ORCH = web.AppKey("orchestrator", Orchestrator)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 METRICS = web.AppKey("metrics", EdgeMetrics)
 STREAMS = web.AppKey("streams", Streams)
+KEYS = web.AppKey("keys", KeyRing)
+CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came with
+LIMITS = web.AppKey("limits", RateLimits)
 STREAM_ID = "x-pdserve-stream-id"
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 def _error_response(e: oai.APIError, headers: dict | None = None) -> web.Response:
+    headers = {**(headers or {}), **e.headers}
     if e.status in (429, 503):
         # Overload and "no worker serves" pass; clients back off instead of hammering.
-        headers = {**(headers or {}), "Retry-After": "1"}
+        headers.setdefault("Retry-After", "1")
     return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler):
+    """Every /v1/ route (HTTP, WebSocket, streams) needs a configured key; /health,
+    /metrics and /openapi.json do not. The key found is request[CALLER]."""
+    if request.path.startswith("/v1/"):
+        header = request.headers.get("Authorization")
+        key = request.app[KEYS].from_header(header)
+        if key is None:
+            message = ("Incorrect API key provided." if header else
+                       "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.")
+            raise oai.APIError(401, message, code="invalid_api_key")
+        request[CALLER] = key
+    return await handler(request)
 
 
 @web.middleware
@@ -95,6 +116,7 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
         req = oai.parse_request(kind, raw, {cfg.name})
         ids = request.app[ENCODER].encode(req)
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
+        rate_headers = request.app[LIMITS].take(request[CALLER], len(ids) + max_tokens)
         stream = await orch.start(Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
                                              sampling=_sampling(req.sampling, max_tokens),
                                              session_id=_session_key(request, req)))
@@ -102,6 +124,7 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
         metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
         raise
     admitted(request.app, stream, started)
+    stream.stats["rate_headers"] = rate_headers
     return req, stream
 
 
@@ -122,7 +145,7 @@ def start_stream(request: web.Request, req: oai.CompletionRequest, stream: Gener
     """Hand the generation to its stream: from now on it runs for the stream's
     readers, not for one connection."""
     return request.app[STREAMS].start(stream, render(req.kind, req.include_usage, stream,
-                                                     req.model))
+                                                     req.model), owner=request[CALLER].key_id)
 
 
 async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:
@@ -131,7 +154,8 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
     # x-pdserve-path is set when the response starts: the decode's first output can
     # still turn a disaggregated request local (see GenerationStream._first_chunk).
     headers = {"x-pdserve-placement": stream.stats["placement"],
-               "x-pdserve-worker": stream.decode_worker, "x-request-id": rid}
+               "x-pdserve-worker": stream.decode_worker, "x-request-id": rid,
+               **stream.stats["rate_headers"]}
     if req.stream:
         return await _stream_response(request, _ENDPOINT[kind],
                                       start_stream(request, req, stream), headers)
@@ -187,7 +211,8 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
     metrics, status = request.app[METRICS], "200"
     try:
         cfg = request.app[CONFIG]
-        reader = await request.app[STREAMS].read(live.stream_id, 0, cfg.sse_keepalive_seconds)
+        reader = await request.app[STREAMS].read(live.stream_id, 0, cfg.sse_keepalive_seconds,
+                                                 live.owner)
         return await sse.relay(request, reader, headers | {STREAM_ID: live.stream_id},
                                stall_seconds=cfg.stream_stall_seconds, live=live,
                                on_cut=metrics.streams_cut.labels("sse").inc)
@@ -225,7 +250,8 @@ async def follow_stream(request: web.Request) -> web.StreamResponse:
     cfg, metrics = request.app[CONFIG], request.app[METRICS]
     sid, after = request.match_info["stream_id"], _last_event_id(request)
     try:
-        reader = await request.app[STREAMS].read(sid, after, cfg.sse_keepalive_seconds)
+        reader = await request.app[STREAMS].read(sid, after, cfg.sse_keepalive_seconds,
+                                                 request[CALLER].key_id)
     except (StreamGone, EventsGone, BadPosition) as e:
         raise stream_errors(e) from None
     metrics.stream_resumes.labels("sse").inc()
@@ -238,7 +264,8 @@ async def cancel_stream(request: web.Request) -> web.Response:
     """`DELETE /v1/streams/{id}`: stop the generation now (its KV is freed)."""
     sid = request.match_info["stream_id"]
     try:
-        cancelled = await request.app[STREAMS].cancel_anywhere(sid, "DELETE /v1/streams")
+        cancelled = await request.app[STREAMS].cancel_anywhere(sid, "DELETE /v1/streams",
+                                                               request[CALLER].key_id)
     except StreamGone as e:
         raise stream_errors(e) from None
     return web.json_response({"id": sid, "object": "stream", "cancelled": cancelled,
@@ -286,7 +313,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder) -> web.Application:
     """The aiohttp application; the caller owns the orchestrator's lifetime."""
-    app = web.Application(middlewares=[_errors])
+    app = web.Application(middlewares=[_errors, _authenticate])
+    app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[CONFIG], app[ORCH], app[ENCODER], app[METRICS] = cfg, orchestrator, encoder, EdgeMetrics()
 
     def ended(live: LiveStream) -> None:

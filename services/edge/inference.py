@@ -20,6 +20,7 @@ from pdserve.config import EdgeConfig
 from pdserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 from .events import render_inference
+from .keys import APIKey
 from .openai_protocol import APIError, check_context
 from .orchestrator import Generation, Orchestrator
 from .prompts import PromptEncoder
@@ -89,13 +90,25 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                           model=self.cfg.name, prompt_token_ids=ids, sampling=sampling,
                           session_id=request.session_id)
 
+    async def _key(self, context) -> APIKey:
+        """The caller's key, from the `authorization` metadata (`Bearer KEY`)."""
+        from .app import KEYS
+        header = dict(context.invocation_metadata() or ()).get("authorization")
+        key = self.app[KEYS].from_header(header)
+        if key is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required (metadata authorization: "
+                                "Bearer KEY)")
+        return key
+
     async def Generate(self, request, context):
-        from .app import STREAMS, admitted
+        from .app import LIMITS, STREAMS, admitted
         streams = self.app[STREAMS]
+        key = await self._key(context)
         if request.HasField("follow"):
             sid = request.follow.stream_id
             try:
-                reader = await streams.read(sid, request.follow.after_seq)
+                reader = await streams.read(sid, request.follow.after_seq, owner=key.key_id)
             except StreamGone as e:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             except (EventsGone, BadPosition) as e:
@@ -109,14 +122,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if gen.request_id in self.running:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                     f"request {gen.request_id} is already running")
+            self.app[LIMITS].take(key, len(gen.prompt_token_ids) + gen.sampling.max_tokens)
             stream = await self.orchestrator.start(gen)
         except APIError as e:
             await context.abort(_STATUS.get(e.status, grpc.StatusCode.INTERNAL), e.message)
         admitted(self.app, stream, started)
-        live = streams.start(stream, render_inference(stream))
+        live = streams.start(stream, render_inference(stream), owner=key.key_id)
         self.running[gen.request_id] = live.stream_id
         try:
-            reader = await streams.read(live.stream_id, 0)
+            reader = await streams.read(live.stream_id, 0, owner=key.key_id)
             async for out in self._chunks(reader, live.stream_id, gen.request_id, context):
                 yield out
         finally:
@@ -155,12 +169,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Abort(self, request, context):
         from .app import STREAMS
         streams = self.app[STREAMS]
-        if request.stream_id:
-            try:
-                found = await streams.cancel_anywhere(request.stream_id, "Inference Abort")
-            except StreamGone:
-                found = False
-        else:
-            sid = self.running.get(request.request_id)
-            found = sid is not None and streams.cancel(sid, "Inference Abort")
+        key = await self._key(context)
+        sid = request.stream_id or self.running.get(request.request_id, "")
+        try:
+            found = bool(sid) and await streams.cancel_anywhere(sid, "Inference Abort",
+                                                                key.key_id)
+        except StreamGone:
+            found = False
         return inference_pb2.AbortResponse(found=found)

@@ -29,9 +29,10 @@ class APIError(Exception):
 
     def __init__(
         self, status: int, message: str, *, type: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None,
+        param: str | None = None, code: str | None = None, headers: dict | None = None,
     ) -> None:  # fmt: skip
         super().__init__(message)
+        self.headers = headers or {}          # sent with the error (Retry-After, x-ratelimit-*)
         self.status = status
         self.message = message
         self.type = type

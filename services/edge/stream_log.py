@@ -50,8 +50,9 @@ class Event:
 class StreamLog:
     """One generation's events; `follow()` yields batches of them as they come."""
 
-    def __init__(self, stream_id: str, max_events: int, ttl: float):
+    def __init__(self, stream_id: str, max_events: int, ttl: float, owner: str = ""):
         self.stream_id = stream_id
+        self.owner = owner                      # the key id that may read it ("" open)
         self.max_events = max_events
         self.ttl = ttl
         self.events: list[str] = []
@@ -134,19 +135,20 @@ class StreamLog:
 class StreamStore(Protocol):
     """Where stream logs live: this process only, or shared by edge replicas."""
 
-    def create(self, stream_id: str) -> StreamLog: ...
+    def create(self, stream_id: str, owner: str) -> StreamLog: ...
 
     def append(self, log: StreamLog, data: list[str]) -> None: ...
 
     def finish(self, log: StreamLog) -> None: ...
 
-    async def open(self, stream_id: str, after: int, idle: float | None
+    async def open(self, stream_id: str, after: int, idle: float | None, owner: str
                    ) -> AsyncIterator[list[Event]]:
         """A reader of the stream from after `after` (see StreamLog.follow); raises
-        StreamGone, EventsGone or BadPosition before anything is read."""
+        StreamGone (also when `owner` is not the stream's), EventsGone or
+        BadPosition before anything is read."""
         ...
 
-    async def cancel(self, stream_id: str) -> bool:
+    async def cancel(self, stream_id: str, owner: str) -> bool:
         """Cancel a stream no generation of this process runs: True if one elsewhere
         will; False if it is over; StreamGone if unknown."""
         ...
@@ -168,9 +170,9 @@ class MemoryStreams:
         self._swept = time.monotonic()
         self.on_cancel = lambda stream_id: False    # only other processes would call it
 
-    def create(self, stream_id: str) -> StreamLog:
+    def create(self, stream_id: str, owner: str = "") -> StreamLog:
         self._sweep()
-        log = self.logs[stream_id] = StreamLog(stream_id, self.max_events, self.ttl)
+        log = self.logs[stream_id] = StreamLog(stream_id, self.max_events, self.ttl, owner)
         return log
 
     def append(self, log: StreamLog, data: list[str]) -> None:
@@ -179,18 +181,19 @@ class MemoryStreams:
     def finish(self, log: StreamLog) -> None:
         log.finish()
 
-    def find(self, stream_id: str) -> StreamLog:
+    def find(self, stream_id: str, owner: str = "") -> StreamLog:
         log = self.logs.get(stream_id) if valid_stream_id(stream_id) else None
-        if log is None or log.expired(time.monotonic()):
+        # Someone else's stream is as unknown as one that never was.
+        if log is None or log.expired(time.monotonic()) or log.owner != owner:
             raise StreamGone(f"no stream {stream_id!r} (unknown, or expired)")
         return log
 
-    async def open(self, stream_id: str, after: int, idle: float | None
+    async def open(self, stream_id: str, after: int, idle: float | None, owner: str = ""
                    ) -> AsyncIterator[list[Event]]:
-        return self.find(stream_id).follow(after, idle)
+        return self.find(stream_id, owner).follow(after, idle)
 
-    async def cancel(self, stream_id: str) -> bool:
-        self.find(stream_id)
+    async def cancel(self, stream_id: str, owner: str = "") -> bool:
+        self.find(stream_id, owner)
         return False                    # known, and not live here: over already
 
     async def followed_elsewhere(self, stream_id: str) -> bool:

@@ -44,15 +44,17 @@ class RedisStreams:
         self.max_events = max_events
         self.ttl = ttl
         self.redis = aioredis.from_url(url, decode_responses=True)
-        self._pending: list[tuple[str, int, list[str], bool]] = []
+        self._pending: list[tuple[str, int, list[str], bool, str | None]] = []
         self._flushing: asyncio.Task | None = None
         self._listener: asyncio.Task | None = None
         self.on_cancel: Callable[[str], bool] = lambda stream_id: False
 
     # --- the owner's side: mirror what is appended -------------------------
-    def create(self, stream_id: str) -> StreamLog:
+    def create(self, stream_id: str, owner: str = "") -> StreamLog:
         self._listen()
-        return self.local.create(stream_id)
+        log = self.local.create(stream_id, owner)
+        self._queue(stream_id, 0, [], finished=False, owner=owner)
+        return log
 
     def append(self, log: StreamLog, data: list[str]) -> None:
         first = log.last_seq + 1
@@ -63,8 +65,9 @@ class RedisStreams:
         log.finish()
         self._queue(log.stream_id, log.last_seq + 1, [], finished=True)
 
-    def _queue(self, stream_id: str, first: int, data: list[str], finished: bool) -> None:
-        self._pending.append((stream_id, first, data, finished))
+    def _queue(self, stream_id: str, first: int, data: list[str], finished: bool,
+               owner: str | None = None) -> None:
+        self._pending.append((stream_id, first, data, finished, owner))
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.create_task(self._flush(), name="stream-mirror")
 
@@ -74,12 +77,16 @@ class RedisStreams:
         while self._pending:
             batch, self._pending = self._pending, []
             pipe = self.redis.pipeline(transaction=False)
-            for stream_id, first, data, finished in batch:
-                key = _key(stream_id)
+            for stream_id, first, data, finished, owner in batch:
+                key, ttl = _key(stream_id), int(self.ttl) + (0 if finished else 3600)
+                if owner is not None:
+                    pipe.set(f"{key}:owner", owner, ex=ttl)
                 for i, d in enumerate(data):
                     pipe.xadd(key, {"d": d}, id=f"{first + i}-0", maxlen=self.max_events,
                               approximate=True)
-                pipe.expire(key, int(self.ttl) + (0 if finished else 3600))
+                if data or finished:
+                    pipe.expire(key, ttl)
+                    pipe.expire(f"{key}:owner", ttl)
             try:
                 await pipe.execute()
             except Exception as e:  # noqa: BLE001 (Redis down must not stop local streams)
@@ -104,10 +111,10 @@ class RedisStreams:
                 log.warning("stream cancel channel on %s: %s; retrying", self.url, e)
                 await asyncio.sleep(1.0)
 
-    async def cancel(self, stream_id: str) -> bool:
+    async def cancel(self, stream_id: str, owner: str = "") -> bool:
         """Ask the replica running `stream_id` to cancel it; False if no replica
         has it live (unknown, or finished)."""
-        last = await self._last(stream_id)
+        last = await self._last(stream_id, owner)
         if last is None:
             raise StreamGone(f"no stream {stream_id!r} (unknown, or expired)")
         if last[1] == DONE:
@@ -122,20 +129,23 @@ class RedisStreams:
         return False
 
     # --- readers -----------------------------------------------------------
-    async def _last(self, stream_id: str) -> tuple[int, str] | None:
+    async def _last(self, stream_id: str, owner: str) -> tuple[int, str] | None:
+        """The stream's last event, or None when unknown here or not `owner`'s."""
+        if not valid_stream_id(stream_id):
+            return None
+        if (await self.redis.get(f"{_key(stream_id)}:owner") or "") != owner:
+            return None
         entries = await self.redis.xrevrange(_key(stream_id), count=1)
         if not entries:
             return None
         ident, fields = entries[0]
         return int(ident.split("-")[0]), fields["d"]
 
-    async def open(self, stream_id: str, after: int, idle: float | None
+    async def open(self, stream_id: str, after: int, idle: float | None, owner: str = ""
                    ) -> AsyncIterator[list[Event]]:
         if stream_id in self.local.logs:
-            return await self.local.open(stream_id, after, idle)
-        if not valid_stream_id(stream_id):
-            raise StreamGone(f"no stream {stream_id!r} (unknown, or expired)")
-        last = await self._last(stream_id)
+            return await self.local.open(stream_id, after, idle, owner)
+        last = await self._last(stream_id, owner)
         if last is None:
             raise StreamGone(f"no stream {stream_id!r} (unknown, or expired)")
         first = await self.redis.xrange(_key(stream_id), count=1)

@@ -55,6 +55,7 @@ class LiveStream:
     error: oai.APIError | None = None
     ended: str = ""                     # finished | cancelled | abandoned | failed
     cancel_reason: str = ""
+    owner: str = ""                     # the key id that started it ("" open)
     _abandon: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -72,11 +73,12 @@ class Streams:
         store.on_cancel = lambda stream_id: self.cancel(stream_id, "cancelled on another "
                                                                    "edge replica")
 
-    def start(self, generation: GenerationStream, payloads: AsyncIterator[list[str]]
-              ) -> LiveStream:
-        """Run the generation in its own task; its events go to a new log."""
+    def start(self, generation: GenerationStream, payloads: AsyncIterator[list[str]],
+              owner: str = "") -> LiveStream:
+        """Run the generation in its own task; its events go to a new log that only
+        `owner` (a key id) may read or cancel."""
         sid = new_stream_id()
-        live = LiveStream(sid, self.store.create(sid), generation)
+        live = LiveStream(sid, self.store.create(sid, owner), generation, owner=owner)
         live.task = asyncio.create_task(self._produce(live, payloads), name=f"stream-{sid}")
         self.live[sid] = live
         self.on_start()
@@ -112,13 +114,13 @@ class Streams:
             self.live.pop(live.stream_id, None)
             self.on_end(live)
 
-    async def read(self, stream_id: str, after: int = 0, idle: float | None = None
-                   ) -> AsyncIterator[list[Event]]:
-        """A reader from after event `after`. Raises StreamGone, EventsGone or
-        BadPosition (stream_log) before anything is read."""
+    async def read(self, stream_id: str, after: int = 0, idle: float | None = None,
+                   owner: str = "") -> AsyncIterator[list[Event]]:
+        """A reader from after event `after`. Raises StreamGone (also for another
+        key's stream), EventsGone or BadPosition (stream_log) before anything is read."""
         live = self.live.get(stream_id)
-        if live is None:
-            return await self.store.open(stream_id, after, idle)
+        if live is None or live.owner != owner:
+            return await self.store.open(stream_id, after, idle, owner)
         return self._counted(live, live.log.follow(after, idle))
 
     async def _counted(self, live: LiveStream, reader: AsyncIterator[list[Event]]
@@ -154,10 +156,13 @@ class Streams:
         live.ended = "abandoned"
         self.cancel(live.stream_id, "no reader came back")
 
-    async def cancel_anywhere(self, stream_id: str, reason: str) -> bool:
-        """Cancel the stream here, or on the replica that runs it (shared store);
-        False if it is over, StreamGone if unknown."""
-        return self.cancel(stream_id, reason) or await self.store.cancel(stream_id)
+    async def cancel_anywhere(self, stream_id: str, reason: str, owner: str = "") -> bool:
+        """Cancel `owner`'s stream here, or on the replica that runs it (shared
+        store); False if it is over, StreamGone if unknown (or not `owner`'s)."""
+        live = self.live.get(stream_id)
+        if live is not None and live.owner == owner and self.cancel(stream_id, reason):
+            return True
+        return await self.store.cancel(stream_id, owner)
 
     def cancel(self, stream_id: str, reason: str) -> bool:
         """Stop a live generation now (the decode worker aborts it); False if it is

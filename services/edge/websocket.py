@@ -93,7 +93,7 @@ async def handle(request: web.Request) -> web.WebSocketResponse:
 
 
 async def _serve(request: web.Request, ws: web.WebSocketResponse) -> None:
-    from .app import CONFIG, METRICS, STREAMS, begin, start_stream, stream_errors
+    from .app import CALLER, CONFIG, METRICS, STREAMS, begin, start_stream, stream_errors
     cfg, streams = request.app[CONFIG], request.app[STREAMS]
     try:
         first = _message(await ws.receive(timeout=FIRST_MESSAGE_SECONDS))
@@ -106,7 +106,7 @@ async def _serve(request: web.Request, ws: web.WebSocketResponse) -> None:
             if not isinstance(sid, str) or isinstance(after, bool) or not isinstance(after, int):
                 raise oai.APIError(400, "stream_id must be a string and last_seq an integer")
             try:
-                reader = await streams.read(sid, after)
+                reader = await streams.read(sid, after, owner=request[CALLER].key_id)
             except (StreamGone, EventsGone, BadPosition) as e:
                 raise stream_errors(e) from None
             request.app[METRICS].stream_resumes.labels("ws").inc()
@@ -116,7 +116,7 @@ async def _serve(request: web.Request, ws: web.WebSocketResponse) -> None:
             req, stream = await begin(request, kind, json.dumps(body).encode())
             live = start_stream(request, req, stream)
             sid = live.stream_id
-            reader = await streams.read(sid, 0)
+            reader = await streams.read(sid, 0, owner=live.owner)
             await ws.send_str(json.dumps({
                 "type": "stream", "stream_id": sid, "request_id": stream.gen.request_id,
                 "worker": stream.decode_worker, "placement": stream.stats["placement"]}))

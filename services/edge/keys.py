@@ -1,0 +1,105 @@
+"""API keys: who may use the edge, as which tenant, at which priority, within which limits.
+
+The keys file (`--api-keys-file`, or `PDSERVE_API_KEYS_FILE`; e.g. a mounted
+Kubernetes secret) has one key per line:
+
+    KEY TENANT PRIORITY [rps=N] [tpm=N]
+
+PRIORITY is `high`, `normal` or `low`; `rps` caps requests per second and
+`tpm` tokens per minute (prompt + max output) for that key (absent: no cap).
+`#` starts a comment. No file, or a file with no keys: the edge is open.
+
+A presented key is found by its SHA-256 digest, so the lookup takes the same
+time whatever the key shares with a real one; keys themselves are never kept
+in memory after loading, nor logged — a key is named by its `key_id`, the
+first 12 hex digits of its digest.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+
+
+class KeyError_(Exception):
+    """The keys file is malformed (the message names the line, never the key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class APIKey:
+    key_id: str
+    tenant: str
+    priority: int                       # 0 = high
+    rps: float | None = None
+    tpm: float | None = None
+
+
+OPEN = APIKey(key_id="", tenant="", priority=PRIORITIES["normal"])
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+class KeyRing:
+    """The configured keys, by digest."""
+
+    def __init__(self, keys: dict[bytes, APIKey]):
+        self._keys = keys
+
+    @property
+    def open(self) -> bool:
+        return not self._keys
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "KeyRing":
+        if not path:
+            return cls({})
+        keys: dict[bytes, APIKey] = {}
+        for n, raw in enumerate(Path(path).read_text().splitlines(), 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            fields = line.split()
+            if len(fields) < 3 or fields[2] not in PRIORITIES:
+                raise KeyError_(f"{path}:{n}: expected `KEY TENANT high|normal|low [rps=N] "
+                                "[tpm=N]`")
+            limits = {}
+            for opt in fields[3:]:
+                name, _, value = opt.partition("=")
+                try:
+                    limits[name] = float(value)
+                except ValueError:
+                    raise KeyError_(f"{path}:{n}: bad limit {name!r}") from None
+                if name not in ("rps", "tpm") or limits[name] <= 0:
+                    raise KeyError_(f"{path}:{n}: limits are rps=N and tpm=N, N > 0")
+            digest = _digest(fields[0])
+            if digest in keys:
+                raise KeyError_(f"{path}:{n}: a key is listed twice")
+            keys[digest] = APIKey(key_id=digest.hex()[:12], tenant=fields[1],
+                                  priority=PRIORITIES[fields[2]], **limits)
+        return cls(keys)
+
+    def find(self, presented: str) -> APIKey | None:
+        """The key `presented` is, or None. Open: everyone is OPEN."""
+        if self.open:
+            return OPEN
+        digest = _digest(presented)
+        key = self._keys.get(digest)
+        # The dict compared digests already; compare_digest keeps the final
+        # equality constant-time too.
+        if key is None or not hmac.compare_digest(digest.hex()[:12], key.key_id):
+            return None
+        return key
+
+    def from_header(self, authorization: str | None) -> APIKey | None:
+        """The key an `Authorization: Bearer KEY` header carries, or None."""
+        if self.open:
+            return OPEN
+        scheme, _, presented = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            return None
+        return self.find(presented.strip())
