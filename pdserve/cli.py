@@ -66,8 +66,9 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
 
 
 # The edge's admission and stream flags, which `up` passes to its edge unchanged.
-EDGE_FLAGS = ("api_keys_file", "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
-                "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds")
+EDGE_FLAGS = ("api_keys_file", "admission_queue", "admission_wait_seconds", "drain_seconds",
+              "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
+              "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds")
 
 
 def _add_edge_flags(p: argparse.ArgumentParser) -> None:
@@ -76,6 +77,13 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-keys-file", default=_env("PDSERVE_API_KEYS_FILE", ""),
                    help="API keys, one `KEY TENANT high|normal|low [rps=N] [tpm=N]` per line "
                         "(none: the API is open to whoever reaches the port)")
+    g.add_argument("--admission-queue", type=int, default=d.admission_queue,
+                   help="requests that may wait for room in the decode pool; more get 503")
+    g.add_argument("--admission-wait-seconds", type=float, default=d.admission_wait_seconds,
+                   help="a request still waiting for room after this long gets 503")
+    g.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
+                   help="on SIGTERM: /health fails and nothing new is admitted at once; "
+                        "streams in flight get this long to finish")
     g.add_argument("--stream-store", default=_env("PDSERVE_STREAM_STORE", d.stream_store),
                    help="where stream logs live: memory, or redis://HOST:PORT (shared by "
                         "edge replicas, so a client can resume on another one)")

@@ -143,6 +143,10 @@ class EdgeConfig:
     # Streams (services/edge/streams.py): where their logs live, how long a
     # dropped generation waits for its reader, how much each log keeps.
     api_keys_file: str = ""              # KEY TENANT PRIORITY [rps=N] [tpm=N] per line; "" open
+    # Admission (services/edge/admission.py): what may wait for room in the pool.
+    admission_queue: int = 256
+    admission_wait_seconds: float = 10.0
+    drain_seconds: float = 30.0          # SIGTERM: streams in flight get this long to finish
     stream_store: str = "memory"         # memory | redis://HOST:PORT
     stream_resume_seconds: float = 5.0
     stream_ttl_seconds: float = 120.0
@@ -157,7 +161,8 @@ class EdgeConfig:
             raise ValueError(f"stream_store must be memory or redis://HOST:PORT, "
                              f"got {self.stream_store!r}")
         for name in ("stream_resume_seconds", "stream_ttl_seconds", "stream_stall_seconds",
-                     "sse_keepalive_seconds", "stream_max_events"):
+                     "sse_keepalive_seconds", "stream_max_events", "admission_wait_seconds",
+                     "drain_seconds"):
             _check_positive(name, getattr(self, name))
         _check_port("port", self.port)
         _check_port("grpc_port", self.grpc_port)

@@ -26,6 +26,7 @@ from pdserve.v1 import common_pb2
 from . import openai_protocol as oai
 from .metrics import EdgeMetrics
 from . import sse, websocket
+from .admission import Admission, pool_room
 from .events import render
 from .keys import APIKey, KeyRing
 from .limits import RateLimits
@@ -44,7 +45,9 @@ STREAMS = web.AppKey("streams", Streams)
 KEYS = web.AppKey("keys", KeyRing)
 CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came with
 LIMITS = web.AppKey("limits", RateLimits)
+ADMISSION = web.AppKey("admission", Admission)
 STREAM_ID = "x-pdserve-stream-id"
+POOL_READ_SECONDS = 0.1
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -109,7 +112,7 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
                 ) -> tuple[oai.CompletionRequest, GenerationStream]:
     """Validate, tokenize, route and prefill one request (HTTP or WebSocket); raises
     APIError (counted) when it cannot start."""
-    cfg, orch, metrics = request.app[CONFIG], request.app[ORCH], request.app[METRICS]
+    cfg, metrics = request.app[CONFIG], request.app[METRICS]
     started = time.perf_counter()
     rid = oai.completion_id(kind)
     try:
@@ -117,20 +120,34 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
         ids = request.app[ENCODER].encode(req)
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
         rate_headers = request.app[LIMITS].take(request[CALLER], len(ids) + max_tokens)
-        stream = await orch.start(Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
-                                             sampling=_sampling(req.sampling, max_tokens),
-                                             session_id=_session_key(request, req)))
+        gen = Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
+                         sampling=_sampling(req.sampling, max_tokens),
+                         session_id=_session_key(request, req))
+        stream = await place(request.app, request[CALLER], gen, started)
     except oai.APIError as e:
         metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
         raise
-    admitted(request.app, stream, started)
     stream.stats["rate_headers"] = rate_headers
     return req, stream
 
 
+async def place(app: web.Application, key: APIKey, gen: Generation, started: float
+                ) -> GenerationStream:
+    """Wait for room in the pool, then route and prefill; counted from here on
+    (HTTP, WebSocket and Inference gRPC alike)."""
+    ticket = await app[ADMISSION].admit(key)
+    try:
+        stream = await app[ORCH].start(gen)
+    except BaseException:
+        ticket.release()
+        raise
+    stream.stats["ticket"] = ticket
+    admitted(app, stream, started)
+    return stream
+
+
 def admitted(app: web.Application, stream: GenerationStream, started: float) -> None:
-    """Count a generation that starts (HTTP, WebSocket or Inference gRPC);
-    `_generation_ended` counts its end."""
+    """Count a generation that starts; `_generation_ended` counts its end."""
     cfg, metrics = app[CONFIG], app[METRICS]
     stream.stats["started"] = started
     if stream.stats.get("prefill_fallback"):
@@ -176,6 +193,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
 def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
     """Count a generation once it is over (streamed or not, read or abandoned)."""
     cfg, metrics = app[CONFIG], app[METRICS]
+    stream.stats["ticket"].release()
     stream.close()                  # a lease the decode never pulled ends now
     if stream.stats.get("pull_refused"):
         metrics.prefill_fallbacks.labels(cfg.name).inc()
@@ -288,8 +306,11 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 only when the router answers and every worker it knows is serving."""
+    """200 only when the router answers and every worker it knows is serving, and
+    the edge is not draining."""
     cfg = request.app[CONFIG]
+    if request.app[ADMISSION].draining:
+        return web.json_response({"status": "draining"}, status=503)
     try:
         workers = await request.app[ORCH].workers()
     except grpc.aio.AioRpcError as e:
@@ -311,11 +332,28 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def _read_pool(app: web.Application):
+    """Keep admission's view of the decode pool's room fresh (10 readings a second)."""
+    async def read() -> None:
+        while True:
+            try:
+                workers = await app[ORCH].workers()
+                app[ADMISSION].observe(pool_room(workers, common_pb2.WORKER_ROLE_DECODE))
+            except grpc.aio.AioRpcError:
+                pass                # the router is away: Route will say so per request
+            await asyncio.sleep(POOL_READ_SECONDS)
+    task = asyncio.create_task(read(), name="pool-room")
+    yield
+    task.cancel()
+
+
 def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder) -> web.Application:
     """The aiohttp application; the caller owns the orchestrator's lifetime."""
     app = web.Application(middlewares=[_errors, _authenticate])
-    app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[CONFIG], app[ORCH], app[ENCODER], app[METRICS] = cfg, orchestrator, encoder, EdgeMetrics()
+    app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
+    app[ADMISSION] = Admission(cfg.admission_queue, cfg.admission_wait_seconds, app[METRICS])
+    app.cleanup_ctx.append(_read_pool)
 
     def ended(live: LiveStream) -> None:
         app[METRICS].streams_open.dec()

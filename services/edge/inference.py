@@ -22,7 +22,7 @@ from pdserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from .events import render_inference
 from .keys import APIKey
 from .openai_protocol import APIError, check_context
-from .orchestrator import Generation, Orchestrator
+from .orchestrator import Generation
 from .prompts import PromptEncoder
 from .stream_log import DONE, BadPosition, EventsGone, StreamGone
 
@@ -61,10 +61,8 @@ _BY_TYPE = {"invalid_request_error": grpc.StatusCode.INVALID_ARGUMENT,
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     """Generate/Abort over the same orchestration and streams the HTTP handlers use."""
 
-    def __init__(self, cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder,
-                 app):
+    def __init__(self, cfg: EdgeConfig, encoder: PromptEncoder, app):
         self.cfg = cfg
-        self.orchestrator = orchestrator
         self.encoder = encoder
         self.app = app
         self.running: dict[str, str] = {}           # request id -> its stream id
@@ -102,7 +100,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return key
 
     async def Generate(self, request, context):
-        from .app import LIMITS, STREAMS, admitted
+        from .app import LIMITS, STREAMS, place
         streams = self.app[STREAMS]
         key = await self._key(context)
         if request.HasField("follow"):
@@ -123,10 +121,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                     f"request {gen.request_id} is already running")
             self.app[LIMITS].take(key, len(gen.prompt_token_ids) + gen.sampling.max_tokens)
-            stream = await self.orchestrator.start(gen)
+            stream = await place(self.app, key, gen, started)
         except APIError as e:
             await context.abort(_STATUS.get(e.status, grpc.StatusCode.INTERNAL), e.message)
-        admitted(self.app, stream, started)
         live = streams.start(stream, render_inference(stream), owner=key.key_id)
         self.running[gen.request_id] = live.stream_id
         try:

@@ -34,6 +34,14 @@ class EdgeMetrics:
         self.prefill_fallbacks = Counter(
             "pdserve_prefill_fallbacks", "Requests prefilled locally because remote prefill "
             "failed", ["model_name"], registry=r)
+        self.queue_length = Gauge("pdserve_queue_length", "Requests waiting for admission",
+                                  registry=r)
+        self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time each admitted request "
+                                    "waited in the admission queue", buckets=(
+                                        0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                    registry=r)
+        self.rejections = Counter("pdserve_rejections", "Requests refused at admission "
+                                  "(queue_full, wait, draining)", ["reason"], registry=r)
         self.streams_open = Gauge("pdserve_streams_open", "Generations streaming on this edge",
                                   registry=r)
         self.streams_ended = Counter(

@@ -10,7 +10,7 @@ from pdserve.lifecycle import until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import inference_pb2_grpc
 
-from .app import build_app
+from .app import ADMISSION, STREAMS, build_app
 from .inference import InferenceService
 from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
@@ -23,7 +23,7 @@ async def serve(cfg: EdgeConfig) -> None:
     encoder = PromptEncoder(cfg.model)
     orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer)
     app = build_app(cfg, orchestrator, encoder)
-    inference = InferenceService(cfg, orchestrator, encoder, app)
+    inference = InferenceService(cfg, encoder, app)
     grpc_server = Server(cfg.host, cfg.grpc_port,
                          lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(inference, s),
                          ["pdserve.v1.Inference"])
@@ -40,7 +40,11 @@ async def serve(cfg: EdgeConfig) -> None:
     try:
         await until_signalled()
     finally:
-        log.info("edge draining")
-        await grpc_server.stop(grace=10.0)
+        # Drain: /health fails and nothing new is admitted at once (a load balancer
+        # stops sending here); streams in flight get drain_seconds to finish.
+        log.info("edge draining: %d streams in flight", len(app[STREAMS].live))
+        app[ADMISSION].drain()
+        await app[STREAMS].wait_idle(cfg.drain_seconds)
+        await grpc_server.stop(grace=1.0)
         await runner.cleanup()
         await orchestrator.close()

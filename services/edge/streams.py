@@ -174,6 +174,12 @@ class Streams:
         live.task.cancel()
         return True
 
+    async def wait_idle(self, timeout: float) -> None:
+        """Wait (up to `timeout` s) until no generation is live here."""
+        tasks = [live.task for live in self.live.values() if live.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
     async def close(self) -> None:
         """Cancel every live generation and wait for them to end."""
         tasks = [live.task for live in self.live.values() if live.task is not None]

@@ -107,7 +107,8 @@ class EngineProbes:
         try:
             async for batch in call:
                 if batch.HasField("load"):
-                    entry.reported(batch.load.running_requests + batch.load.waiting_requests)
+                    entry.reported(batch.load.running_requests + batch.load.waiting_requests,
+                                   batch.load.max_running_requests, batch.load.token_usage)
                     entry.load_pushed = True
                 for event in batch.events:
                     self._apply(wid, event)
@@ -169,7 +170,9 @@ class EngineProbes:
             return
         if entry.load_pushed:
             return                          # its event stream reported meanwhile: newer
-        entry.reported(sum(s.num_running_reqs + s.num_waiting_reqs for s in resp.loads))
+        entry.reported(sum(s.num_running_reqs + s.num_waiting_reqs for s in resp.loads),
+                       sum(s.max_running_requests for s in resp.loads),
+                       max((s.token_usage for s in resp.loads), default=0.0))
 
     async def stop(self) -> None:
         """Stop probing and following, and close the channels."""

@@ -26,12 +26,19 @@ class WorkerEntry:
     pending: int = 0                 # requests placed here since that report
     load_pushed: bool = False        # `load` comes from the engine's event stream (fresh)
     placed_at: deque = field(default_factory=deque)    # when each pending one was placed
+    capacity: int = 0                # requests its engine runs at once; 0 unknown
+    kv_usage: float = 0.0            # fraction of its KV cache in use
 
-    def reported(self, load: int) -> None:
+    def reported(self, load: int, capacity: int | None = None,
+                 kv_usage: float | None = None) -> None:
         """The engine's own count of its requests: it covers every placement so far."""
         self.load = load
         self.pending = 0
         self.placed_at.clear()
+        if capacity is not None:
+            self.capacity = capacity
+        if kv_usage is not None:
+            self.kv_usage = kv_usage
 
 
 class WorkerRegistry:
@@ -96,6 +103,7 @@ class WorkerRegistry:
             info = router_pb2.WorkerInfo()
             info.CopyFrom(e.info)
             info.serving = self._alive(e, now)
+            info.load, info.capacity, info.kv_usage = e.load + e.pending, e.capacity, e.kv_usage
             out.append(info)
         return sorted(out, key=lambda w: (w.role, w.worker_id))
 

@@ -41,8 +41,10 @@ def read_stamps(text: str) -> list[int]:
 class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
     """`VllmEngine` over a clock instead of a model."""
 
-    def __init__(self, tokenizer, served_model_name: str, rate: float, max_model_len: int = 2048):
+    def __init__(self, tokenizer, served_model_name: str, rate: float, max_model_len: int = 2048,
+                 capacity: int = 0):
         self.tokenizer = tokenizer
+        self.capacity = capacity                # reported max_running_requests; 0 unknown
         self.name = served_model_name
         self.period = 1.0 / rate
         self.max_model_len = max_model_len
@@ -95,7 +97,8 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetLoads(self, request, context):
         return vllm_engine_pb2.GetLoadsResponse(dp_rank_count=1, loads=[
-            vllm_engine_pb2.SchedulerLoad(num_running_reqs=len(self.running))])
+            vllm_engine_pb2.SchedulerLoad(num_running_reqs=len(self.running),
+                                          max_running_requests=self.capacity)])
 
 
 async def serve(model: str, served_model_name: str, host: str, port: int, rate: float) -> None:

@@ -49,10 +49,11 @@ class EdgeStack:
 
 
 @contextlib.asynccontextmanager
-async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, **edge_options):
+async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity: int = 0,
+                     **edge_options):
     """Yield an EdgeStack (`replicas` edges on one router); everything is stopped on exit."""
     encoder = PromptEncoder(str(model_dir))
-    engine = SyntheticEngine(encoder.tokenizer, str(model_dir), rate)
+    engine = SyntheticEngine(encoder.tokenizer, str(model_dir), rate, capacity=capacity)
     engine_server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc
                            .add_VllmEngineServicer_to_server(engine, s), [])
     await engine_server.start()
@@ -75,7 +76,7 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, **edge_o
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         edges.append((f"http://127.0.0.1:{port}", app, runner, orchestrator))
-    inference = InferenceService(cfg, edges[0][3], encoder, edges[0][1])
+    inference = InferenceService(cfg, encoder, edges[0][1])
     inference_server = Server("127.0.0.1", 0, lambda s: inference_pb2_grpc
                               .add_InferenceServicer_to_server(inference, s), [])
     await inference_server.start()

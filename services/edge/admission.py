@@ -1,0 +1,177 @@
+"""Admission: a bounded priority queue in front of the router that sheds load.
+
+A request is admitted when the decode pool has room for it, by what the
+workers report (through the router's `ListWorkers`, read every `poll`
+seconds): each serving decode engine's capacity (its `max_running_requests`)
+minus its load (running + waiting, plus placements its reports do not cover
+yet), and nothing when every engine's KV cache is full. Otherwise it waits,
+in its key's priority class (high before normal before low) and, within a
+class, in its tenant's line: tenants take turns, so one tenant's burst
+queues behind its own requests, not in front of another tenant's steady
+traffic. The queue is bounded in length and in wait: past either, 503 with
+`Retry-After` at once (a caller that is refused quickly can go elsewhere; one
+that waits past its SLO is served too late to count). Draining admits
+nothing more.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from .keys import APIKey
+from .openai_protocol import APIError
+
+log = logging.getLogger("pdserve.edge")
+
+KV_FULL = 0.95                      # an engine this full takes nothing more
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One admitted request's hold on the pool; `release()` once it ends."""
+
+    admission: "Admission"
+    waited: float                   # seconds in the queue
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission._released()
+
+
+@dataclass(slots=True)
+class _Waiter:
+    future: asyncio.Future
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+def pool_room(workers, decode_role: int) -> float:
+    """Requests the serving decode workers can take now (inf: no engine reports a
+    capacity, so nothing bounds it here)."""
+    decode = [w for w in workers if w.serving and w.role == decode_role]
+    if not decode:
+        return 0
+    if all(w.kv_usage >= KV_FULL for w in decode):
+        return 0
+    if any(w.capacity == 0 for w in decode):
+        return float("inf")
+    return sum(max(0, w.capacity - w.load) for w in decode if w.kv_usage < KV_FULL)
+
+
+class Admission:
+    """Counts room in the pool and queues whatever does not fit."""
+
+    def __init__(self, max_queue: int, max_wait: float, metrics=None):
+        self.max_queue = max_queue
+        self.max_wait = max_wait
+        self.metrics = metrics
+        self.room: float = float("inf")     # until the first reading
+        self.draining = False
+        self.queued = 0
+        self._lines: list[OrderedDict[str, deque[_Waiter]]] = [OrderedDict() for _ in range(3)]
+
+    # --- the pool's room, as read -------------------------------------------
+    def observe(self, room: float) -> None:
+        """A fresh reading of the pool (room beyond what is admitted already)."""
+        self.room = room
+        self._dispatch()
+
+    def _released(self) -> None:
+        self.room += 1                      # until the next reading says otherwise
+        self._dispatch()
+
+    # --- admitting ----------------------------------------------------------
+    async def admit(self, key: APIKey) -> Ticket:
+        """A ticket once the pool has room for `key`'s request; APIError 503 when
+        the queue is full, the wait runs out, or the edge is draining."""
+        if self.draining:
+            self._reject("draining", "the server is shutting down; retry on another "
+                         "replica")
+        if self.room >= 1 and not self.queued:
+            self.room -= 1
+            return self._ticket(0.0)
+        if self.queued >= self.max_queue:
+            self._reject("queue_full", "the server is at capacity and its queue is full; "
+                         "retry later")
+        waiter = _Waiter(asyncio.get_running_loop().create_future())
+        line = self._lines[key.priority].setdefault(key.tenant, deque())
+        line.append(waiter)
+        self.queued += 1
+        self._gauge()
+        try:
+            async with asyncio.timeout(self.max_wait):
+                refused = await waiter.future       # None: admitted; an APIError: drained
+        except TimeoutError:
+            self._remove(key, waiter)
+            self._reject("wait", f"the server is at capacity: no room within "
+                         f"{self.max_wait:g} s; retry later")
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled() \
+                    and waiter.future.result() is None:
+                self._released()                # admitted as the caller left: give it back
+            else:
+                self._remove(key, waiter)
+            raise
+        if refused is not None:
+            raise refused
+        return self._ticket(time.monotonic() - waiter.queued_at)
+
+    def _ticket(self, waited: float) -> Ticket:
+        if self.metrics is not None:
+            self.metrics.queue_wait.observe(waited)
+        return Ticket(self, waited)
+
+    def _dispatch(self) -> None:
+        """Admit queued requests while there is room: by class, tenants in turn."""
+        while self.room >= 1 and self.queued:
+            lines = next(lines for lines in self._lines if lines)
+            tenant, line = next(iter(lines.items()))
+            waiter = line.popleft()
+            if line:
+                lines.move_to_end(tenant)       # the next tenant's turn
+            else:
+                del lines[tenant]
+            self.queued -= 1
+            if not waiter.future.done():
+                self.room -= 1
+                waiter.future.set_result(None)
+        self._gauge()
+
+    def _remove(self, key: APIKey, waiter: _Waiter) -> None:
+        line = self._lines[key.priority].get(key.tenant)
+        if line is not None and waiter in line:
+            line.remove(waiter)
+            self.queued -= 1
+            if not line:
+                del self._lines[key.priority][key.tenant]
+        self._gauge()
+
+    def drain(self) -> None:
+        """Admit nothing more; everyone queued gets 503 now."""
+        self.draining = True
+        for lines in self._lines:
+            for line in lines.values():
+                for waiter in line:
+                    if not waiter.future.done():
+                        waiter.future.set_result(self._error(
+                            "draining", "the server is shutting down; retry on another "
+                            "replica"))
+                    self.queued -= 1
+            lines.clear()
+        self._gauge()
+
+    def _error(self, reason: str, message: str) -> APIError:
+        if self.metrics is not None:
+            self.metrics.rejections.labels(reason).inc()
+        return APIError(503, message, type="server_overloaded", code=reason)
+
+    def _reject(self, reason: str, message: str):
+        raise self._error(reason, message)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_length.set(self.queued)

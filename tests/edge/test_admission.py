@@ -1,0 +1,121 @@
+"""Admission: room in the pool as the workers report it, a bounded priority queue with
+tenants taking turns, quick 503s when it is full, and drain."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from services.edge.admission import Admission, pool_room
+from services.edge.keys import PRIORITIES, APIKey
+from services.edge.openai_protocol import APIError
+from pdserve.v1 import common_pb2, router_pb2
+from synthetic_stack import edge_stack
+
+
+def key(tenant: str, priority: str = "normal") -> APIKey:
+    return APIKey(key_id=tenant, tenant=tenant, priority=PRIORITIES[priority])
+
+
+async def test_queued_requests_go_by_class_then_tenants_in_turn():
+    adm = Admission(max_queue=100, max_wait=5)
+    adm.observe(0)
+    order = []
+
+    async def ask(k: APIKey, label: str):
+        ticket = await adm.admit(k)
+        order.append(label)
+        return ticket
+
+    # A burst from tenant a, then one each from b and c, then a high-priority one.
+    tasks = [asyncio.create_task(ask(key("a"), f"a{i}")) for i in range(4)]
+    tasks += [asyncio.create_task(ask(key("b"), "b0")), asyncio.create_task(ask(key("c"), "c0"))]
+    tasks.append(asyncio.create_task(ask(key("vip", "high"), "vip")))
+    await asyncio.sleep(0)
+    assert adm.queued == 7
+    for _ in range(7):
+        adm.observe(1)
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == ["vip", "a0", "b0", "c0", "a1", "a2", "a3"]
+
+
+async def test_full_queue_and_long_wait_answer_503_quickly():
+    adm = Admission(max_queue=2, max_wait=0.2)
+    adm.observe(0)
+    waiting = [asyncio.create_task(adm.admit(key("a"))) for _ in range(2)]
+    await asyncio.sleep(0)
+    started = time.perf_counter()
+    with pytest.raises(APIError) as e:
+        await adm.admit(key("b"))
+    assert e.value.status == 503 and e.value.code == "queue_full"
+    assert time.perf_counter() - started < 0.01
+    for t in waiting:
+        with pytest.raises(APIError) as e:
+            await t
+        assert e.value.code == "wait"
+    assert adm.queued == 0
+
+
+async def test_drain_refuses_the_queued_and_the_new_and_a_gone_caller_leaves_the_queue():
+    adm = Admission(max_queue=10, max_wait=5)
+    adm.observe(0)
+    gone = asyncio.create_task(adm.admit(key("a")))
+    queued = asyncio.create_task(adm.admit(key("b")))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    assert adm.queued == 1
+    adm.drain()
+    with pytest.raises(APIError) as e:
+        await queued
+    assert e.value.code == "draining"
+    with pytest.raises(APIError):
+        await adm.admit(key("c"))
+
+
+def test_pool_room_is_capacity_minus_load_of_serving_decode_workers():
+    D, P = common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_PREFILL
+
+    def w(role=D, serving=True, load=0, capacity=4, kv=0.1):
+        return router_pb2.WorkerInfo(role=role, serving=serving, load=load, capacity=capacity,
+                                     kv_usage=kv)
+    assert pool_room([w(load=1), w(load=4), w(role=P, load=0, capacity=100)], D) == 3
+    assert pool_room([w(load=1), w(serving=False, load=0)], D) == 3
+    assert pool_room([w(load=0, kv=0.97), w(load=3)], D) == 1      # a full KV cache: no room
+    assert pool_room([w(kv=0.99)], D) == 0
+    assert pool_room([w(capacity=0)], D) == float("inf")           # nothing reports a bound
+    assert pool_room([], D) == 0
+
+
+async def test_the_edge_queues_past_the_engines_capacity_and_sheds_past_the_queue(model_dir):
+    async with edge_stack(model_dir, rate=100.0, capacity=2, admission_queue=2,
+                          admission_wait_seconds=10.0) as stack:
+        await asyncio.sleep(0.6)                     # the router has read the capacity
+        async with aiohttp.ClientSession() as http:
+            running = [await http.post(f"{stack.url}/v1/completions", json=stack.body(2000))
+                       for _ in range(2)]
+            await asyncio.sleep(0.6)
+            queued = [asyncio.create_task(http.post(f"{stack.url}/v1/completions",
+                                                    json=stack.body(5))) for _ in range(2)]
+            await asyncio.sleep(0.3)
+            assert stack.metrics.queue_length._value.get() == 2
+            started = time.perf_counter()
+            async with http.post(f"{stack.url}/v1/completions", json=stack.body(5)) as r:
+                took = time.perf_counter() - started
+                assert r.status == 503 and r.headers["Retry-After"]
+                assert (await r.json())["error"]["code"] == "queue_full"
+            print(f"\nrejection answered in {took * 1000:.1f} ms")
+            assert took < 0.1
+            assert all(not t.done() for t in queued)
+            # Room opens when a running stream ends: the queued ones go through.
+            for r in running:
+                await http.delete(f"{stack.url}/v1/streams/{r.headers['x-pdserve-stream-id']}")
+                r.close()
+            for t in queued:
+                resp = await asyncio.wait_for(t, 5)
+                assert resp.status == 200
+                await resp.read()
+        assert stack.metrics.rejections.labels("queue_full")._value.get() == 1
