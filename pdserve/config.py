@@ -143,6 +143,7 @@ class EdgeConfig:
     # Streams (services/edge/streams.py): where their logs live, how long a
     # dropped generation waits for its reader, how much each log keeps.
     api_keys_file: str = ""              # KEY TENANT PRIORITY [rps=N] [tpm=N] per line; "" open
+    max_request_bytes: int = 1 << 20     # a larger body is 413
     # Admission (services/edge/admission.py): what may wait for room in the pool.
     admission_queue: int = 256
     admission_wait_seconds: float = 10.0
@@ -162,6 +163,7 @@ class EdgeConfig:
                              f"got {self.stream_store!r}")
         for name in ("stream_resume_seconds", "stream_ttl_seconds", "stream_stall_seconds",
                      "sse_keepalive_seconds", "stream_max_events", "admission_wait_seconds",
+                     "max_request_bytes",
                      "drain_seconds"):
             _check_positive(name, getattr(self, name))
         _check_port("port", self.port)

@@ -29,6 +29,7 @@ from . import sse, websocket
 from .admission import Admission, pool_room
 from .events import render
 from .keys import APIKey, KeyRing
+from .openapi import SPEC
 from .limits import RateLimits
 from .orchestrator import Generation, GenerationStream, Orchestrator
 from .prompts import PromptEncoder
@@ -81,6 +82,10 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except oai.APIError as e:
         return _error_response(e)
+    except web.HTTPRequestEntityTooLarge:
+        return _error_response(oai.APIError(
+            413, f"the request body is over {request.app[CONFIG].max_request_bytes} bytes",
+            code="request_too_large"))
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -327,6 +332,10 @@ async def health(request: web.Request) -> web.Response:
                              status=200 if ok else 503)
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(SPEC)
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -349,7 +358,8 @@ async def _read_pool(app: web.Application):
 
 def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder) -> web.Application:
     """The aiohttp application; the caller owns the orchestrator's lifetime."""
-    app = web.Application(middlewares=[_errors, _authenticate])
+    app = web.Application(middlewares=[_errors, _authenticate],
+                          client_max_size=cfg.max_request_bytes)
     app[CONFIG], app[ORCH], app[ENCODER], app[METRICS] = cfg, orchestrator, encoder, EdgeMetrics()
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[ADMISSION] = Admission(cfg.admission_queue, cfg.admission_wait_seconds, app[METRICS])
@@ -373,4 +383,5 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app

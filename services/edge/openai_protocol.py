@@ -22,6 +22,8 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # seed range, as vLLM checks it
 # downstream int32 conversion from overflowing.
 _INT32_MAX = 2**31 - 1
 _MAX_STOP = 4
+_MAX_STOP_CHARS = 256
+_MAX_MESSAGES = 1024
 
 
 class APIError(Exception):
@@ -186,6 +188,9 @@ def _parse_messages(body: dict) -> tuple[dict, ...]:
         raise _bad("'messages' must be an array", "messages")
     if not messages:
         raise _bad("'messages' must contain at least one message", "messages")
+    if len(messages) > _MAX_MESSAGES:
+        raise _bad(f"'messages' must hold at most {_MAX_MESSAGES} messages, got "
+                   f"{len(messages)}", "messages")
     out = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
@@ -230,6 +235,8 @@ def _parse_stop(value: Any) -> tuple[str, ...]:
     if not ok or not all(isinstance(s, str) and s for s in value):
         msg = f"'stop' must be a non-empty string or a list of up to {_MAX_STOP} non-empty strings"
         raise _bad(msg, "stop")
+    if any(len(s) > _MAX_STOP_CHARS for s in value):
+        raise _bad(f"each 'stop' sequence must be at most {_MAX_STOP_CHARS} characters", "stop")
     return tuple(value)
 
 

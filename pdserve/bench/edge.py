@@ -1,0 +1,607 @@
+"""`pdserve bench edge`: many SSE streams through the edge, beside nginx and no proxy.
+
+One token source (`edge_source`: the synthetic engine's gRPC face for the edge,
+an OpenAI-shaped HTTP face for the rest) stamps every chunk with its send time
+on CLOCK_MONOTONIC. `streams` concurrent streamed completions of
+`rate × duration` chunks each (starts spread over `ramp` seconds) go, one path
+after another, in the same run:
+
+- `direct`: to the source's HTTP face;
+- `nginx`: through Debian's nginx (`proxy_buffering off`, HTTP/1.1 to the source;
+  one worker, or as few more as the open-file limit needs for two sockets per
+  stream), configured and started here in a temporary prefix;
+- `edge`: through `pdserve edge` and `pdserve router`, the source as the router's
+  static decode worker (prompts are short: the decode worker prefills).
+
+The load comes from separate client processes (uvloop, raw asyncio streams, a
+minimal HTTP/1.1 + SSE reader): a token's latency is its arrival time minus its
+stamp. A path's "added" latency is its quantile minus direct's. CPU seconds are
+the proxy's (nginx master + workers; the edge process) per 1,000 tokens
+delivered, the source's for direct; the edge's RSS is its peak, sampled.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PATHS = ("direct", "nginx", "edge")
+NGINX = "/usr/sbin/nginx"
+PROMPT = "hello"
+_TEXT = re.compile(rb'"text":\s*"([^"]*)"')   # a completion chunk's text
+
+
+def progress(msg: str) -> None:
+    """A timestamped progress line on stderr (stdout carries the result)."""
+    print(f"[bench edge {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def raise_nofile() -> int:
+    """Open-file limit up as far as allowed (root: 131072, else the hard limit); children
+    inherit it. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for want in ((1 << 17, max(hard, 1 << 17)), (hard, hard)):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, want)
+            return want[0]
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """One run of the benchmark."""
+
+    streams: int
+    rate: float              # chunks per second per stream
+    duration: float          # seconds each stream lasts
+    ramp: float = 1.0        # stream starts spread over this many seconds
+    clients: int = 2         # load-generator processes
+
+    @property
+    def max_tokens(self) -> int:
+        return max(1, round(self.rate * self.duration))
+
+
+# --- load generator (runs in its own processes: `python -m pdserve.bench.edge client SPEC`) ---
+
+class _Stream(asyncio.Protocol):
+    """One streamed completion over one connection: HTTP/1.1 response head, chunked or
+    close-delimited body, SSE `data:` lines; records each stamp's latency (µs)."""
+
+    def __init__(self, request: bytes, lat: array, done: asyncio.Future):
+        self.request, self.lat, self.done = request, lat, done
+        self.transport = None
+        self.buf = bytearray()          # bytes not yet de-chunked
+        self.body = bytearray()         # SSE text not yet split into lines
+        self.head = True
+        self.chunked = False
+        self.eof = False
+        self.status = 0
+        self.tokens = 0
+        self.finished = False           # [DONE] seen
+        self.error = ""
+        self.first = self.last = 0      # µs of the first and last token
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic_ns() // 1000
+        self.buf += data
+        if self.head:
+            i = self.buf.find(b"\r\n\r\n")
+            if i < 0:
+                return
+            lines = bytes(self.buf[:i]).decode("latin-1").split("\r\n")
+            del self.buf[:i + 4]
+            self.head = False
+            try:
+                self.status = int(lines[0].split()[1])
+            except (IndexError, ValueError):
+                return self._end("bad_response")
+            if self.status != 200:
+                return self._end(f"status_{self.status}")
+            self.chunked = any(ln.lower().startswith("transfer-encoding:") and "chunked" in
+                               ln.lower() for ln in lines[1:])
+        if self.chunked:
+            self._dechunk()
+        else:
+            self.body += self.buf
+            self.buf.clear()
+        self._events(now)
+        if self.eof:
+            self._end()
+
+    def _dechunk(self) -> None:
+        buf = self.buf
+        while True:
+            i = buf.find(b"\r\n")
+            if i < 0:
+                return
+            size = int(bytes(buf[:i]).split(b";")[0], 16)
+            if size == 0:
+                self.eof = True
+                buf.clear()
+                return
+            if len(buf) < i + 2 + size + 2:
+                return
+            self.body += buf[i + 2:i + 2 + size]
+            del buf[:i + 2 + size + 2]
+
+    def _events(self, now: int) -> None:
+        body, start = self.body, 0
+        while (j := body.find(b"\n", start)) >= 0:
+            line, start = bytes(body[start:j]), j + 1
+            if not line.startswith(b"data:"):
+                continue                        # id:, retry:, event:, comments, blank lines
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.finished = True
+                continue
+            if b'"error"' in payload:
+                self.error = self.error or "error_event"
+            m = _TEXT.search(payload)           # the stamps are digits and spaces: no JSON
+            if m is None:                       # escapes to decode, so no json.loads
+                continue
+            for word in m.group(1).split():
+                if not word.isdigit():
+                    continue
+                d = now - int(word)
+                if not 0 <= d < 600_000_000:
+                    self.error = self.error or "bad_stamp"
+                    continue
+                self.lat.append(d)
+                self.tokens += 1
+                self.first = self.first or now
+                self.last = now
+        del body[:start]
+
+    def connection_lost(self, exc) -> None:
+        self._end("" if exc is None else "connection_lost")
+
+    def _end(self, error: str = "") -> None:
+        if self.done.done():
+            return
+        self.error = self.error or error
+        self.done.set_result(None)
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def _drive(spec: dict) -> dict:
+    """This client's share of the streams; a summary, latencies and spans."""
+    loop = asyncio.get_running_loop()
+    body = json.dumps({"model": spec["model"], "prompt": PROMPT, "max_tokens": spec["max_tokens"],
+                       "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {spec['host']}:{spec['port']}\r\n"
+               f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+               f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    lat, spans, errors = array("q"), array("q"), Counter()
+    held = 0
+
+    async def one(j: int) -> None:
+        nonlocal held
+        await asyncio.sleep(max(0.0, spec["start_at"] + j * spec["ramp"] / spec["streams"]
+                                - time.monotonic()))
+        done = loop.create_future()
+        s = _Stream(request, lat, done)
+        try:
+            async with asyncio.timeout(spec["deadline"] - time.monotonic()):
+                await loop.create_connection(lambda: s, spec["host"], spec["port"])
+                await done
+        except TimeoutError:
+            s.error = s.error or "timeout"
+        except OSError as e:
+            s.error = s.error or f"connect_{type(e).__name__}"
+        finally:
+            if s.transport is not None:
+                s.transport.close()
+        if not s.error and not s.finished:
+            s.error = "no_done"
+        if not s.error and s.tokens != spec["max_tokens"]:
+            s.error = "short_stream" if s.tokens < spec["max_tokens"] else "extra_tokens"
+        if s.error:
+            errors[s.error] += 1
+        else:
+            held += 1
+        if s.first:
+            spans.extend((s.first, s.last))
+
+    await asyncio.gather(*(one(j) for j in range(spec["index"], spec["streams"], spec["of"])))
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"held": held, "errors": dict(errors), "cpu_s": ru.ru_utime + ru.ru_stime,
+            "lat": lat, "spans": spans}
+
+
+def client_main(spec: dict) -> None:
+    """Entry of one load-generator process: results into spec["out"] (.json, .lat, .spans)."""
+    import uvloop
+    raise_nofile()
+    res = uvloop.run(_drive(spec))
+    out = Path(spec["out"])
+    out.with_suffix(".lat").write_bytes(res.pop("lat").tobytes())
+    out.with_suffix(".spans").write_bytes(res.pop("spans").tobytes())
+    out.with_suffix(".json").write_text(json.dumps(res))
+
+
+# --- the processes under test ---
+
+class _Deployment:
+    """The source, nginx and the edge stack, each started when asked, all stopped by stop()."""
+
+    def __init__(self, model: str, rate: float, tmp: Path):
+        from .deployments import _Children
+        self.model, self.rate, self.tmp = model, rate, tmp
+        self._children = _Children
+        self.source = self.nginx = self.router = self.edge = None
+        self.ports: dict[str, int] = {}
+
+    def start_source(self) -> None:
+        from .deployments import free_port
+        self.ports |= {"grpc": free_port(), "http": free_port()}
+        self.source = self._children("edge-source")
+        self.source.start([sys.executable, "-m", "pdserve.bench.edge_source", "--model",
+                           self.model, "--grpc-port", str(self.ports["grpc"]), "--http-port",
+                           str(self.ports["http"]), "--rate", str(self.rate)], {})
+        self.source.wait_healthy([f"http://127.0.0.1:{self.ports['http']}/health"])
+
+    def start_nginx(self, nofile: int, workers: int) -> None:
+        from .deployments import free_port
+        port = self.ports["nginx"] = free_port()
+        prefix = self.tmp / "nginx"
+        prefix.mkdir(exist_ok=True)
+        conf = prefix / "nginx.conf"
+        conf.write_text(nginx_conf(prefix, port, self.ports["http"], nofile, workers))
+        self.nginx = self._children("edge-nginx")
+        self.nginx.start([NGINX, "-p", str(prefix), "-c", str(conf), "-e",
+                          str(prefix / "error.log"), "-g", "daemon off;"], {})
+        self.nginx.wait_healthy([f"http://127.0.0.1:{port}/health"])
+
+    def start_edge(self) -> None:
+        from .deployments import free_port
+        self.ports |= {"router": free_port(), "edge": free_port(), "edge_grpc": free_port()}
+        cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
+        self.router = self._children("edge-router")
+        self.router.start([*cli, "router", "--port", str(self.ports["router"]),
+                           "--decode-worker", f"127.0.0.1:{self.ports['grpc']}"], {})
+        self.edge = self._children("edge-edge")
+        self.edge.start([*cli, "edge", "--router", f"127.0.0.1:{self.ports['router']}",
+                         "--port", str(self.ports["edge"]), "--grpc-port",
+                         str(self.ports["edge_grpc"]), "--model", self.model,
+                         "--min-prefill-workers", "0"], {})
+        self.edge.wait_healthy([f"http://127.0.0.1:{self.ports['edge']}/health"])
+
+    @staticmethod
+    def pids(children) -> list[int]:
+        """A started process and its descendants (nginx: master and workers)."""
+        import psutil
+        out = []
+        for p, _ in children.procs:
+            try:
+                out += [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def log_summary(self, name: str, lines: int = 40) -> str:
+        """What a path's processes logged (nginx: its error log), each message once with
+        its count, timestamps and numbers aside, in order of first appearance."""
+        if name == "nginx":
+            logs = [self.tmp / "nginx" / "error.log"]
+        else:
+            procs = {"direct": [self.source], "edge": [self.edge, self.router]}[name]
+            logs = [log for c in procs if c for _, log in c.procs]
+        seen: Counter = Counter()
+        for log in logs:
+            if log.exists():
+                for line in log.read_text(errors="replace").splitlines():
+                    seen[re.sub(r"[0-9]+", "N", line)] += 1
+        return "\n".join(f"{n:>7} x {msg[:300]}" for msg, n in list(seen.items())[:lines])
+
+    def stop_nginx(self) -> None:
+        if self.nginx:
+            self.nginx.stop()
+            self.nginx = None
+
+    def stop_edge(self) -> None:
+        for c in (self.edge, self.router):
+            if c:
+                c.stop()
+        self.edge = self.router = None
+
+    def stop(self) -> None:
+        self.stop_edge()
+        self.stop_nginx()
+        if self.source:
+            self.source.stop()
+            self.source = None
+
+
+def nginx_workers(streams: int, nofile: int) -> int:
+    """nginx's workers: one, unless its open-file limit cannot hold two sockets per stream
+    (a worker's limit is the process's; without CAP_SYS_RESOURCE it cannot go past the hard
+    limit), then as few as can."""
+    return max(1, -(-(2 * streams + 128) // max(1024, nofile - 64)))
+
+
+def nginx_conf(prefix: Path, port: int, upstream: int, nofile: int, workers: int = 1) -> str:
+    """`workers` workers (the kernel spreads connections: `reuseport`) proxying to the
+    source on loopback, unbuffered, HTTP/1.1 upstream; every path nginx writes lies under
+    `prefix`."""
+    temps = "\n".join(f"    {k}_temp_path {prefix / k};"
+                      for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    return f"""worker_processes {workers};
+worker_rlimit_nofile {nofile};
+pid {prefix / 'nginx.pid'};
+error_log {prefix / 'error.log'} warn;
+events {{
+    worker_connections {max(1024, nofile - 64)};
+    multi_accept on;
+}}
+http {{
+    access_log off;
+{temps}
+    upstream source {{
+        server 127.0.0.1:{upstream};
+        keepalive 256;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096 reuseport;
+        location / {{
+            proxy_pass http://source;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 3600s;
+            proxy_send_timeout 3600s;
+        }}
+    }}
+}}
+"""
+
+
+# --- measuring one path ---
+
+def _cpu_seconds(pids: list[int]) -> float:
+    import psutil
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _rss_mib(pids: list[int]) -> float:
+    import psutil
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+def _peak_concurrency(spans) -> int:
+    """Most streams between their first and last token at one moment."""
+    import numpy as np
+    if len(spans) == 0:
+        return 0
+    s = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    times = np.concatenate([s[:, 0], s[:, 1]])
+    steps = np.concatenate([np.ones(len(s), np.int64), -np.ones(len(s), np.int64)])
+    order = np.lexsort((-steps, times))         # at equal times, a start counts first
+    return int(np.cumsum(steps[order]).max())
+
+
+def _run_clients(st: Settings, port: int, model: str, tmp: Path, watch: list[int],
+                 source_url: str) -> tuple[list[dict], float, float]:
+    """Spawn the clients, sample `watch`'s RSS until they exit; (results, peak RSS, wall s)."""
+    import numpy as np
+    start_at = time.monotonic() + 2.0           # after the clients' own start-up
+    base = {"host": "127.0.0.1", "port": port, "model": model, "max_tokens": st.max_tokens,
+            "streams": st.streams, "of": st.clients, "ramp": st.ramp, "start_at": start_at,
+            "deadline": start_at + st.ramp + 2 * st.duration + 60}
+    procs = []
+    peak = 0.0
+    t0 = time.monotonic()
+    try:
+        for i in range(st.clients):
+            spec = dict(base, index=i, out=str(tmp / f"client{i}"))
+            procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.bench.edge", "client",
+                                           json.dumps(spec)], start_new_session=True))
+        last_note = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            peak = max(peak, _rss_mib(watch))
+            if time.monotonic() - last_note > 5:
+                last_note = time.monotonic()
+                progress(f"  {time.monotonic() - t0:.0f} s: {_source_note(source_url)}")
+            time.sleep(0.2)
+        wall = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    results = []
+    for i, p in enumerate(procs):
+        out = tmp / f"client{i}"
+        if p.returncode != 0 or not out.with_suffix(".json").exists():
+            raise RuntimeError(f"load client {i} failed (exit {p.returncode})")
+        r = json.loads(out.with_suffix(".json").read_text())
+        r["lat"] = np.fromfile(out.with_suffix(".lat"), dtype=np.int64)
+        r["spans"] = np.fromfile(out.with_suffix(".spans"), dtype=np.int64)
+        results.append(r)
+    return results, peak, wall
+
+
+def _source_note(url: str) -> str:
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            h = json.loads(r.read())
+        return f"source has {h['http_streams']} HTTP + {h['grpc_streams']} gRPC streams running"
+    except (OSError, ValueError, KeyError):
+        return "source busy"
+
+
+def warm_up(port: int, model: str) -> None:
+    """One short stream, so first-call costs (channels, placement) stay out of the run."""
+    import urllib.request
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2, "stream": True})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        text = r.read()
+    if b"[DONE]" not in text:
+        raise RuntimeError(f"warm-up stream on :{port} did not finish: {text[:300]!r}")
+
+
+def measure(name: str, st: Settings, port: int, model: str, tmp: Path, proxy: list[int],
+            source: list[int], source_url: str) -> dict:
+    """Run the streams through one path; its figures (latencies in ms)."""
+    import numpy as np
+    warm_up(port, model)
+    progress(f"{name}: {st.streams} streams x {st.max_tokens} tokens at {st.rate:g}/s")
+    cpu0, src0 = _cpu_seconds(proxy), _cpu_seconds(source)
+    results, peak, wall = _run_clients(st, port, model, tmp, proxy, source_url)
+    cpu, src = _cpu_seconds(proxy) - cpu0, _cpu_seconds(source) - src0
+    lat = np.concatenate([r["lat"] for r in results])
+    errors = sum((Counter(r["errors"]) for r in results), Counter())
+    tokens = int(len(lat))
+    q = (lambda p: round(float(np.percentile(lat, p)) / 1000, 3)) if tokens else (lambda p: None)
+    per_1k = lambda s: round(1000 * s / tokens, 4) if tokens else None  # noqa: E731
+    out = {"streams_held": sum(r["held"] for r in results), "errors": sum(errors.values()),
+           "error_kinds": dict(errors), "tokens": tokens,
+           "latency_p50_ms": q(50), "latency_p99_ms": q(99), "latency_max_ms": q(100),
+           "added_p50_ms": 0.0, "added_p99_ms": 0.0,
+           "cpu_s_per_1k_tokens": per_1k(cpu if proxy else src),
+           "source_cpu_s_per_1k_tokens": per_1k(src),
+           "peak_concurrent_streams": _peak_concurrency(np.concatenate(
+               [r["spans"] for r in results])),
+           "client_cpu_s": round(sum(r["cpu_s"] for r in results), 2), "wall_s": round(wall, 1)}
+    if proxy:
+        out["proxy_rss_mib"] = round(peak, 1)
+    progress(f"{name}: held {out['streams_held']}/{st.streams}, errors {dict(errors) or 0}, "
+             f"p50 {out['latency_p50_ms']} ms, p99 {out['latency_p99_ms']} ms, "
+             f"{out['cpu_s_per_1k_tokens']} CPU s / 1k tokens")
+    return out
+
+
+def _added(sections: dict) -> None:
+    direct = sections.get("direct")
+    for name, s in sections.items():
+        if name == "direct":
+            continue
+        for p in ("p50", "p99"):
+            ok = direct and s[f"latency_{p}_ms"] is not None and direct[f"latency_{p}_ms"] is not None
+            s[f"added_{p}_ms"] = (round(max(0.0, s[f"latency_{p}_ms"] - direct[f"latency_{p}_ms"]), 3)
+                                  if ok else None)
+
+
+def targets(result: dict) -> dict:
+    """The issue's targets this run's settings speak to (others are left out)."""
+    st, edge, nginx = result["settings"], result.get("edge"), result.get("nginx")
+    out = {}
+    if edge and st["streams"] >= 10_000:
+        out["edge_10k_streams_0_errors"] = edge["errors"] == 0 and edge["streams_held"] >= 10_000
+        out["edge_rss_le_1_gib"] = result["edge_rss_mib"] <= 1024
+    if edge and st["streams"] >= 1000 and st["rate"] >= 20 and edge["added_p99_ms"] is not None:
+        out["edge_added_p99_le_1_ms"] = edge["added_p99_ms"] <= 1.0
+        if nginx and nginx["added_p99_ms"] is not None:
+            out["edge_added_p99_le_2x_nginx"] = edge["added_p99_ms"] <= 2 * nginx["added_p99_ms"]
+    return out
+
+
+def _note_errors(dep: _Deployment, name: str, section: dict) -> None:
+    """On errors, what the path's processes logged goes to stderr (their logs are deleted)."""
+    if section["errors"]:
+        progress(f"{name}: {section['errors']} errors; its log:\n{dep.log_summary(name)}")
+
+
+def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
+    """Start the source, then each path's proxy in turn; measure; stop everything."""
+    nofile = raise_nofile()
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-edge-"))
+    dep = _Deployment(model, st.rate, tmp)
+    sections: dict[str, dict] = {}
+    try:
+        progress("starting the source")
+        dep.start_source()
+        source = _Deployment.pids(dep.source)
+        source_url = f"http://127.0.0.1:{dep.ports['http']}/health"
+        for name in PATHS:
+            if name not in paths:
+                continue
+            if sections:
+                time.sleep(2)                   # the last path's sockets close
+            if name == "direct":
+                sections[name] = measure(name, st, dep.ports["http"], model, tmp, [], source,
+                                         source_url)
+                _note_errors(dep, name, sections[name])
+            elif name == "nginx":
+                progress("starting nginx")
+                dep.start_nginx(nofile, nginx_workers(st.streams, nofile))
+                sections[name] = measure(name, st, dep.ports["nginx"], model, tmp,
+                                         _Deployment.pids(dep.nginx), source, source_url)
+                _note_errors(dep, name, sections[name])
+                dep.stop_nginx()
+            else:
+                progress("starting pdserve router + edge")
+                dep.start_edge()
+                sections[name] = measure(name, st, dep.ports["edge"], model, tmp,
+                                         _Deployment.pids(dep.edge), source, source_url)
+                _note_errors(dep, name, sections[name])
+                dep.stop_edge()
+    finally:
+        dep.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    _added(sections)
+    result = {"settings": {**asdict(st), "max_tokens": st.max_tokens, "nginx_workers": nginx_workers(st.streams, nofile),
+                           "nofile": nofile,
+                           "cores": len(os.sched_getaffinity(0))},
+              "streams": st.streams, "rate": st.rate, "duration": st.duration,
+              **sections,
+              "edge_rss_mib": sections["edge"]["proxy_rss_mib"] if "edge" in sections else None}
+    result["targets"] = targets(result)
+    return result
+
+
+def table(result: dict) -> str:
+    """The sections side by side, then the targets, as text."""
+    keys = ["streams_held", "errors", "tokens", "latency_p50_ms", "latency_p99_ms",
+            "added_p50_ms", "added_p99_ms", "cpu_s_per_1k_tokens", "peak_concurrent_streams"]
+    st = result["settings"]
+    lines = [f"{st['streams']} streams x {st['max_tokens']} tokens at {st['rate']:g} tokens/s "
+             f"on {st['cores']} cores", f"{'path':<8}" + "".join(f"{k:>24}" for k in keys)]
+    for name in PATHS:
+        if name in result:
+            lines.append(f"{name:<8}" + "".join(f"{str(result[name][k]):>24}" for k in keys))
+    lines.append(f"edge peak RSS: {result['edge_rss_mib']} MiB")
+    lines += [f"  target {k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["client"]:
+        client_main(json.loads(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m pdserve.bench.edge client SPEC (see `pdserve bench edge`)")

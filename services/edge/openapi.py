@@ -1,0 +1,123 @@
+"""The edge's HTTP API as OpenAPI 3.1, served at `/openapi.json`.
+
+Written by hand next to the handlers it describes; a test checks that every
+route the app serves is here and nothing else is, and the fuzz tests read it
+to generate requests.
+"""
+from __future__ import annotations
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _errors(*codes: int) -> dict:
+    return {str(c): {"description": _REASONS[c],
+                     "content": {"application/json": {"schema": _ERROR}}} for c in codes}
+
+
+_REASONS = {400: "invalid request", 401: "missing or wrong API key", 404: "not found",
+            410: "the events asked for are no longer kept", 413: "request body too large",
+            429: "rate limit (Retry-After, x-ratelimit-* headers)",
+            503: "no room (queue full, wait over, draining) or no worker (Retry-After)"}
+
+_SAMPLING = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": ["integer", "null"]},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
+    "seed": {"type": ["integer", "null"]},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
+                                             "maxItems": 4}, {"type": "null"}]},
+    "ignore_eos": {"type": ["boolean", "null"]},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 2},
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"],
+                       "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": ["string", "null"]},
+    "session_id": {"type": ["string", "null"], "minLength": 1},
+}
+
+_GENERATION = {
+    "200": {"description": "the completion (JSON), or its events (SSE: `id:` = event "
+            "number, header x-pdserve-stream-id)",
+            "content": {"application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}}}},
+    **_errors(400, 401, 404, 413, 429, 503)}
+
+_STREAM_ID = {"name": "stream_id", "in": "path", "required": True,
+              "schema": {"type": "string", "maxLength": 128}}
+
+SPEC = {
+    "openapi": "3.1.0",
+    "info": {"title": "pdserve edge", "version": "1",
+             "description": "OpenAI-compatible chat/completions with resumable streams."},
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {"Error": {"type": "object", "required": ["error"], "properties": {
+            "error": {"type": "object", "required": ["message", "type"], "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"},
+                "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}},
+    },
+    "security": [{"bearer": []}],
+    "paths": {
+        "/v1/chat/completions": {"post": {
+            "operationId": "chat",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["model", "messages"],
+                "properties": {**_SAMPLING, "max_completion_tokens": _SAMPLING["max_tokens"],
+                               "messages": {"type": "array", "minItems": 1, "maxItems": 1024,
+                                            "items": {"type": "object",
+                                                      "required": ["role", "content"],
+                                                      "properties": {
+                                                          "role": {"enum": ["system", "user",
+                                                                            "assistant"]},
+                                                          "content": {"type": "string"}}}}}}}}},
+            "responses": _GENERATION}},
+        "/v1/completions": {"post": {
+            "operationId": "completion",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["model", "prompt"],
+                "properties": {**_SAMPLING, "prompt": {"oneOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "minItems": 1, "items": {"type": "integer",
+                                                               "minimum": 0}}]}}}}}},
+            "responses": _GENERATION}},
+        "/v1/models": {"get": {"operationId": "models", "responses": {
+            "200": {"description": "the served model",
+                    "content": {"application/json": {"schema": {"type": "object"}}}},
+            **_errors(401)}}},
+        "/v1/streams/{stream_id}": {
+            "get": {"operationId": "follow_stream", "parameters": [
+                _STREAM_ID, {"name": "Last-Event-ID", "in": "header", "required": False,
+                             "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}}],
+                "responses": {"200": {"description": "the stream's events after Last-Event-ID, "
+                                      "then live", "content": {"text/event-stream": {
+                                          "schema": {"type": "string"}}}},
+                              "204": {"description": "the stream is over; nothing after "
+                                      "Last-Event-ID"},
+                              **_errors(400, 401, 404, 410)}},
+            "delete": {"operationId": "cancel_stream", "parameters": [_STREAM_ID],
+                       "responses": {"200": {"description": "cancelled (or already over)",
+                                             "content": {"application/json": {
+                                                 "schema": {"type": "object"}}}},
+                                     **_errors(401, 404)}}},
+        "/v1/ws": {"get": {"operationId": "websocket", "description": "WebSocket: see the "
+                           "README (first message: an OpenAI request or a resume)",
+                           "responses": {"101": {"description": "switching protocols"},
+                                         **_errors(400, 401)}}},
+        "/health": {"get": {"operationId": "health", "security": [], "responses": {
+            "200": {"description": "ready", "content": {"application/json": {
+                "schema": {"type": "object"}}}},
+            "503": {"description": "not ready, or draining", "content": {
+                "application/json": {"schema": {"type": "object"}}}}}}},
+        "/metrics": {"get": {"operationId": "metrics", "security": [], "responses": {
+            "200": {"description": "Prometheus text", "content": {
+                "text/plain": {"schema": {"type": "string"}}}}}}},
+        "/openapi.json": {"get": {"operationId": "openapi", "security": [], "responses": {
+            "200": {"description": "this document", "content": {
+                "application/json": {"schema": {"type": "object"}}}}}}},
+    },
+}
