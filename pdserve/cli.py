@@ -66,7 +66,7 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
 
 
 # The edge's admission and stream flags, which `up` passes to its edge unchanged.
-EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission_queue", "admission_wait_seconds", "drain_seconds",
+EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queue", "admission_wait_seconds", "drain_seconds",
               "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
               "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds")
 
@@ -79,6 +79,9 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                         "(none: the API is open to whoever reaches the port)")
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="a request body larger than this is refused (413)")
+    g.add_argument("--admission", action=argparse.BooleanOptionalAction, default=d.admission,
+                   help="queue and shed by the decode pool's room (--no-admission: send "
+                        "everything on, the baseline)")
     g.add_argument("--admission-queue", type=int, default=d.admission_queue,
                    help="requests that may wait for room in the decode pool; more get 503")
     g.add_argument("--admission-wait-seconds", type=float, default=d.admission_wait_seconds,

@@ -145,6 +145,7 @@ class EdgeConfig:
     api_keys_file: str = ""              # KEY TENANT PRIORITY [rps=N] [tpm=N] per line; "" open
     max_request_bytes: int = 1 << 20     # a larger body is 413
     # Admission (services/edge/admission.py): what may wait for room in the pool.
+    admission: bool = True               # False: admit everything at once (a baseline)
     admission_queue: int = 256
     admission_wait_seconds: float = 10.0
     drain_seconds: float = 30.0          # SIGTERM: streams in flight get this long to finish

@@ -53,6 +53,14 @@ def _placement(a: argparse.Namespace, eng: EngineConfig) -> dict[str, list[str]]
     return {"prefill": _spread(pre, a.prefill_workers), "decode": _spread(dec, a.decode_workers)}
 
 
+def _passed_on(name: str, value) -> list[str]:
+    """A flag of `up` as its child takes it (booleans as --x / --no-x)."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return [f"--{flag}" if value else f"--no-{flag}"]
+    return [f"--{flag}", str(value)]
+
+
 def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
     return ["--model", eng.model, "--served-model-name", eng.name, "--device", eng.device,
             "--dtype", eng.dtype, "--max-model-len", str(eng.max_model_len),
@@ -81,8 +89,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                 "--kv-port", str(a.kv_port + k), "--kv-lease-seconds", str(a.kv_lease_seconds),
                 "--worker-id", f"{role}-{i}"] + pin + metrics
                 + _engine_flags(a, eng), env))
-    placement, streams = ([arg for name in names
-                           for arg in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]
+    placement, streams = ([arg for name in names for arg in _passed_on(name, getattr(a, name))]
                           for names in (PLACEMENT_FLAGS, EDGE_FLAGS))
     # The gateway runs anywhere unless told: on the 2-core dev box, pinning it
     # to the prefill core measured a worse TTFT (its per-token wake-ups then

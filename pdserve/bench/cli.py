@@ -253,6 +253,9 @@ def _edge(argv: list[str]) -> int:
     p.add_argument("--duration", type=float, default=20.0, help="seconds each stream lasts")
     p.add_argument("--ramp", type=float, default=1.0, help="stream starts spread over this")
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--timeout", type=float, default=0.0,
+                   help="a stream not done this many seconds after its start is an error "
+                        "(default: 2 x duration + 120)")
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of "
                                                              + ",".join(PATHS))
     p.add_argument("--smoke", action="store_true", help="20 streams for 2 s: checks the runner")
@@ -263,7 +266,7 @@ def _edge(argv: list[str]) -> int:
     if a.smoke:
         a.streams, a.rate, a.duration = 20, 20.0, 2.0
     if (not paths or set(paths) - set(PATHS) or min(a.streams, a.clients) < 1
-            or a.rate <= 0 or a.duration <= 0 or a.ramp < 0):
+            or a.rate <= 0 or a.duration <= 0 or a.ramp < 0 or a.timeout < 0):
         print(f"pdserve bench edge: --paths is a subset of {','.join(PATHS)}; --streams, "
               "--clients, --rate and --duration must be > 0", file=sys.stderr)
         return 2
@@ -272,7 +275,7 @@ def _edge(argv: list[str]) -> int:
               "out of --paths)", file=sys.stderr)
         return 2
     model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
-    st = Settings(a.streams, a.rate, a.duration, a.ramp, min(a.clients, a.streams))
+    st = Settings(a.streams, a.rate, a.duration, a.ramp, min(a.clients, a.streams), a.timeout)
     # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
     signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
     with contextlib.redirect_stdout(sys.stderr):

@@ -69,6 +69,12 @@ class Settings:
     duration: float          # seconds each stream lasts
     ramp: float = 1.0        # stream starts spread over this many seconds
     clients: int = 2         # load-generator processes
+    timeout: float = 0.0     # a stream unfinished this long after its start fails (0: 2 x
+                             # duration + 120 s)
+
+    @property
+    def stream_timeout(self) -> float:
+        return self.timeout or 2 * self.duration + 120
 
     @property
     def max_tokens(self) -> int:
@@ -195,12 +201,12 @@ async def _drive(spec: dict) -> dict:
 
     async def one(j: int) -> None:
         nonlocal held
-        await asyncio.sleep(max(0.0, spec["start_at"] + j * spec["ramp"] / spec["streams"]
-                                - time.monotonic()))
+        start = spec["start_at"] + j * spec["ramp"] / spec["streams"]
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
         done = loop.create_future()
         s = _Stream(request, lat, done)
         try:
-            async with asyncio.timeout(spec["deadline"] - time.monotonic()):
+            async with asyncio.timeout(start + spec["timeout"] - time.monotonic()):
                 await loop.create_connection(lambda: s, spec["host"], spec["port"])
                 await done
         except TimeoutError:
@@ -419,7 +425,7 @@ def _run_clients(st: Settings, port: int, model: str, tmp: Path, watch: list[int
     start_at = time.monotonic() + 2.0           # after the clients' own start-up
     base = {"host": "127.0.0.1", "port": port, "model": model, "max_tokens": st.max_tokens,
             "streams": st.streams, "of": st.clients, "ramp": st.ramp, "start_at": start_at,
-            "deadline": start_at + st.ramp + 2 * st.duration + 60}
+            "timeout": st.stream_timeout}
     procs = []
     peak = 0.0
     t0 = time.monotonic()
@@ -575,7 +581,8 @@ def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
         dep.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     _added(sections)
-    result = {"settings": {**asdict(st), "max_tokens": st.max_tokens, "nginx_workers": nginx_workers(st.streams, nofile),
+    result = {"settings": {**asdict(st), "max_tokens": st.max_tokens,
+                           "stream_timeout_s": st.stream_timeout, "nginx_workers": nginx_workers(st.streams, nofile),
                            "nofile": nofile,
                            "cores": len(os.sched_getaffinity(0))},
               "streams": st.streams, "rate": st.rate, "duration": st.duration,

@@ -343,11 +343,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _read_pool(app: web.Application):
     """Keep admission's view of the decode pool's room fresh (10 readings a second)."""
+    cfg = app[CONFIG]
     async def read() -> None:
         while True:
             try:
                 workers = await app[ORCH].workers()
-                app[ADMISSION].observe(pool_room(workers, common_pb2.WORKER_ROLE_DECODE))
+                room = pool_room(workers, common_pb2.WORKER_ROLE_DECODE)
+                app[ADMISSION].observe(room if cfg.admission else float("inf"))
             except grpc.aio.AioRpcError:
                 pass                # the router is away: Route will say so per request
             await asyncio.sleep(POOL_READ_SECONDS)

@@ -58,3 +58,15 @@ def test_a_worker_that_keeps_dying_is_not_restarted_forever():
     assert [r.allow("decode-1", now=t) for t in (0, 10, 20, 30)] == [True, True, True, False]
     assert r.allow("decode-0", now=30)                       # counted per worker
     assert r.allow("decode-1", now=700)                      # the window has moved on
+
+
+def test_edge_flags_pass_through_and_parse_back():
+    plan = _plan("--no-admission", "--stream-store", "redis://127.0.0.1:6379",
+                 "--api-keys-file", "/run/keys")
+    edge = plan["edge"]
+    assert "--no-admission" in edge and _flag(edge, "--stream-store") == "redis://127.0.0.1:6379"
+    assert _flag(edge, "--api-keys-file") == "/run/keys"
+    cfg = _config(_parser().parse_args(edge[edge.index("edge"):]))
+    assert (cfg.admission, cfg.stream_store, cfg.api_keys_file) == (
+        False, "redis://127.0.0.1:6379", "/run/keys")
+    assert "--admission" in _plan()["edge"]
