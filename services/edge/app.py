@@ -234,11 +234,12 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
     metrics, status = request.app[METRICS], "200"
     try:
         cfg = request.app[CONFIG]
-        reader = await request.app[STREAMS].read(live.stream_id, 0, cfg.sse_keepalive_seconds,
-                                                 live.owner)
+        plain = request.headers.get(sse.PLAIN_HEADER, "").lower() == "plain"
+        reader = await request.app[STREAMS].read(
+            live.stream_id, 0, None if plain else cfg.sse_keepalive_seconds, live.owner)
         return await sse.relay(request, reader, headers | {STREAM_ID: live.stream_id},
                                stall_seconds=cfg.stream_stall_seconds, live=live,
-                               on_cut=metrics.streams_cut.labels("sse").inc)
+                               on_cut=metrics.streams_cut.labels("sse").inc, plain=plain)
     except oai.APIError as e:
         status = str(e.status)
         return _error_response(e, headers | {"x-pdserve-path": live.generation.path})

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
            "X-Accel-Buffering": "no"}
+# A request header asking for OpenAI's plain framing (see `plain_frame`).
+PLAIN_HEADER = "x-pdserve-sse"
 # The reconnect hint rides on the first event: a block holding only `retry:`
 # reads as an event with empty data to some clients (OpenAI's SDK).
 RETRY = b"retry: 1000\n"
@@ -35,6 +37,11 @@ def frame(batch: list[Event]) -> bytes:
     if not batch:
         return b": keepalive\n\n"
     return "".join([f"id: {e.seq}\ndata: {e.data}\n\n" for e in batch]).encode()
+
+
+def plain_frame(batch: list[Event]) -> bytes:
+    """OpenAI's framing exactly: `data:` lines only (the n-th event is still event n)."""
+    return "".join([f"data: {e.data}\n\n" for e in batch]).encode()
 
 
 def bound_buffers(request: web.Request) -> None:
@@ -51,12 +58,14 @@ def bound_buffers(request: web.Request) -> None:
 
 async def relay(request: web.Request, reader: AsyncIterator[list[Event]], headers: dict, *,
                 stall_seconds: float, live: LiveStream | None = None,
-                on_cut=lambda: None) -> web.StreamResponse:
+                on_cut=lambda: None, plain: bool = False) -> web.StreamResponse:
     """Write the reader's events as SSE until the stream ends. With `live` (the
     request that started the generation), headers wait for its first event, and a
-    failure before any output raises as an HTTP error instead."""
+    failure before any output raises as an HTTP error instead. `plain`: OpenAI's
+    framing, no `id:`, `retry:` or comments (for clients that read `data:` lines
+    only; the reader then has no keepalive either)."""
     resp = web.StreamResponse(headers={**headers, **HEADERS})
-    hint = True
+    hint = not plain
     async with contextlib.aclosing(reader) as batches:
         async for batch in batches:
             if not resp.prepared:
@@ -68,7 +77,7 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
                     resp.headers["x-pdserve-path"] = live.generation.path
                 await resp.prepare(request)
                 bound_buffers(request)
-            data = frame(batch)
+            data = plain_frame(batch) if plain else frame(batch)
             if hint and batch:
                 data, hint = RETRY + data, False
             try:

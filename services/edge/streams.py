@@ -80,6 +80,8 @@ class Streams:
         sid = new_stream_id()
         live = LiveStream(sid, self.store.create(sid, owner), generation, owner=owner)
         live.task = asyncio.create_task(self._produce(live, payloads), name=f"stream-{sid}")
+        # A task cancelled before its first step never runs its body: end it here then.
+        live.task.add_done_callback(lambda task: self._ended(live, payloads))
         self.live[sid] = live
         self.on_start()
         return live
@@ -107,12 +109,23 @@ class Streams:
             self.store.append(live.log, [error_payload(oai.APIError(
                 500, f"internal error: {type(e).__name__}", type="internal_error"))])
         finally:
-            self.store.append(live.log, [DONE])
-            self.store.finish(live.log)
-            if live._abandon is not None:
-                live._abandon.cancel()
-            self.live.pop(live.stream_id, None)
-            self.on_end(live)
+            self._ended(live, payloads)
+
+    def _ended(self, live: LiveStream, payloads) -> None:
+        """Close the log and account for the end, once."""
+        if live.log.finished:
+            return
+        if not live.ended:                      # cancelled before it ever ran
+            live.ended = "cancelled"
+            self.store.append(live.log, [error_payload(oai.APIError(
+                499, f"the stream was cancelled ({live.cancel_reason or 'cancelled'})",
+                type="cancelled", code="stream_cancelled"))])
+        self.store.append(live.log, [DONE])
+        self.store.finish(live.log)
+        if live._abandon is not None:
+            live._abandon.cancel()
+        self.live.pop(live.stream_id, None)
+        self.on_end(live)
 
     async def read(self, stream_id: str, after: int = 0, idle: float | None = None,
                    owner: str = "") -> AsyncIterator[list[Event]]:

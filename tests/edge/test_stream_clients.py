@@ -134,3 +134,23 @@ async def test_browser_eventsource_resumes_by_itself_after_a_drop(stack):
     assert errors >= 1                           # the drop happened...
     resumes = [h for h in seen if b"GET /v1/streams/" in h and b"last-event-id" in h.lower()]
     assert resumes, "the browser never came back with Last-Event-ID"
+
+
+async def test_vllm_benchmark_client_reads_plain_framing(stack):
+    """vLLM's benchmark request functions read `data:` lines only: `x-pdserve-sse: plain`
+    gives them OpenAI's framing (no `id:`/`retry:`), and the stream still has its id."""
+    import aiohttp
+    from vllm.benchmarks.lib.endpoint_request_func import (RequestFuncInput,
+                                                             async_request_openai_completions)
+    req = RequestFuncInput(prompt="hello", api_url=f"{stack.url}/v1/completions", prompt_len=1,
+                           output_len=20, model=stack.model, ignore_eos=True,
+                           extra_headers={"x-pdserve-sse": "plain"})
+    async with aiohttp.ClientSession() as http:
+        out = await async_request_openai_completions(req, http)
+        assert out.success, out.error
+        assert len(read_stamps(out.generated_text)) == 20
+        async with http.post(f"{stack.url}/v1/completions", json=stack.body(3),
+                             headers={"x-pdserve-sse": "plain"}) as r:
+            raw = await r.text()
+            assert r.headers["x-pdserve-stream-id"]
+    assert "id:" not in raw and "retry:" not in raw and raw.endswith("data: [DONE]\n\n")

@@ -211,3 +211,19 @@ async def test_shutdown_closes_websockets_with_1001(stack):
             while True:
                 await ws.recv()
         assert ws.close_code == 1001
+
+
+async def test_a_generation_cancelled_before_it_ran_still_ends_its_stream():
+    from services.edge.stream_log import MemoryStreams
+    from services.edge.streams import Streams
+    ended = []
+    streams = Streams(MemoryStreams(), resume_seconds=1.0, on_end=ended.append)
+
+    async def payloads():
+        yield ['{"never": 1}']
+    live = streams.start(object(), payloads())
+    assert streams.cancel(live.stream_id, "at once")
+    await asyncio.sleep(0.01)
+    assert ended == [live] and live.ended == "cancelled"
+    assert live.log.finished and live.log.events[-1] == "[DONE]"
+    assert "stream_cancelled" in live.log.events[-2]
