@@ -123,7 +123,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self.app[LIMITS].take(key, len(gen.prompt_token_ids) + gen.sampling.max_tokens)
             stream = await place(self.app, key, gen, started)
         except APIError as e:
-            await context.abort(_STATUS.get(e.status, grpc.StatusCode.INTERNAL), e.message)
+            # Shed at admission (503 over HTTP) is RESOURCE_EXHAUSTED here: retry later.
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.type == "server_overloaded"
+                    else _STATUS.get(e.status, grpc.StatusCode.INTERNAL))
+            await context.abort(code, e.message)
         live = streams.start(stream, render_inference(stream), owner=key.key_id)
         self.running[gen.request_id] = live.stream_id
         try:

@@ -119,3 +119,27 @@ async def test_the_edge_queues_past_the_engines_capacity_and_sheds_past_the_queu
                 assert resp.status == 200
                 await resp.read()
         assert stack.metrics.rejections.labels("queue_full")._value.get() == 1
+
+
+async def test_inference_grpc_gets_resource_exhausted_when_shed(model_dir):
+    import grpc
+    from pdserve.v1 import inference_pb2, inference_pb2_grpc
+    async with edge_stack(model_dir, rate=100.0, capacity=1, admission_queue=1,
+                          admission_wait_seconds=10.0) as stack:
+        await asyncio.sleep(0.6)
+        async with grpc.aio.insecure_channel(stack.inference) as ch:
+            api = inference_pb2_grpc.InferenceStub(ch)
+            req = inference_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(
+                max_tokens=1000))
+            running = api.Generate(req)
+            await running.read()
+            await asyncio.sleep(0.6)
+            queued = api.Generate(req)
+            waiting = asyncio.ensure_future(queued.read())
+            await asyncio.sleep(0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await api.Generate(req).read()
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            running.cancel()
+            queued.cancel()
+            waiting.cancel()
