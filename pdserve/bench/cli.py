@@ -258,13 +258,14 @@ def _edge(argv: list[str]) -> int:
                         "(default: 2 x duration + 120)")
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of "
                                                              + ",".join(PATHS))
-    p.add_argument("--smoke", action="store_true", help="20 streams for 2 s: checks the runner")
+    p.add_argument("--smoke", action="store_true",
+                   help="20 streams for 2 s: checks the runner, measures nothing")
     p.add_argument("--model", default="", help=f"tokenizer dir (default: {DEFAULT_MODEL_DIR})")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = p.parse_args(argv)
     paths = [x.strip() for x in a.paths.split(",") if x.strip()]
     if a.smoke:
-        a.streams, a.rate, a.duration = 20, 20.0, 2.0
+        a.streams, a.rate, a.duration, a.ramp = 20, 20.0, 2.0, 0.5
     if (not paths or set(paths) - set(PATHS) or min(a.streams, a.clients) < 1
             or a.rate <= 0 or a.duration <= 0 or a.ramp < 0 or a.timeout < 0):
         print(f"pdserve bench edge: --paths is a subset of {','.join(PATHS)}; --streams, "

@@ -422,7 +422,7 @@ def _run_clients(st: Settings, port: int, model: str, tmp: Path, watch: list[int
                  source_url: str) -> tuple[list[dict], float, float]:
     """Spawn the clients, sample `watch`'s RSS until they exit; (results, peak RSS, wall s)."""
     import numpy as np
-    start_at = time.monotonic() + 2.0           # after the clients' own start-up
+    start_at = time.monotonic() + 1.0           # after the clients' own start-up (~0.2 s)
     base = {"host": "127.0.0.1", "port": port, "model": model, "max_tokens": st.max_tokens,
             "streams": st.streams, "of": st.clients, "ramp": st.ramp, "start_at": start_at,
             "timeout": st.stream_timeout}
@@ -558,7 +558,7 @@ def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
             if name not in paths:
                 continue
             if sections:
-                time.sleep(2)                   # the last path's sockets close
+                time.sleep(1)                   # the last path's sockets close
             if name == "direct":
                 sections[name] = measure(name, st, dep.ports["http"], model, tmp, [], source,
                                          source_url)

@@ -1,0 +1,90 @@
+"""`pdserve bench edge --smoke`: the JSON contract end to end (source, nginx, router + edge),
+and nothing left running afterwards."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pdserve.bench.edge import NGINX, PATHS, _peak_concurrency, nginx_conf, nginx_workers
+
+ROOT = Path(__file__).resolve().parents[2]
+TAG = "PDSERVE_BENCH_EDGE_TAG"
+
+
+def _nginx_pids() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "nginx"}
+
+
+def _left_behind(tag: str, tmp: Path) -> list[str]:
+    """Processes the benchmark started that still run: they carry its tag in their
+    environment, or (nginx, which rewrites its environment) its temp dir in their command."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if str(tmp) in cmd or p.environ().get(TAG) == tag:
+                found.append(f"{p.pid}: {cmd}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists(NGINX), reason=f"{NGINX} is not installed "
+                    "(apt-get install nginx); the benchmark's nginx path needs it")
+def test_smoke_prints_the_contract_with_every_stream_held(tmp_path):
+    tag = uuid.uuid4().hex
+    nginx_before = _nginx_pids()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "bench", "edge", "--smoke",
+                             "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, TAG: tag, "TMPDIR": str(tmp_path)})
+    try:
+        out, err = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)            # unwinds: the bench stops what it started
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"bench edge --smoke took over 100 s:\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out)                        # one JSON object, nothing else on stdout
+    assert result["streams"] == 20 and result["rate"] == 20 and result["duration"] == 2
+    assert 0 < result["edge_rss_mib"] < 4096
+    for name in PATHS:
+        s = result[name]
+        assert s["errors"] == 0, (name, s["error_kinds"], err[-3000:])
+        assert s["streams_held"] == 20, name
+        assert s["tokens"] == 20 * 40, name
+        assert s["added_p50_ms"] >= 0 and s["added_p99_ms"] >= 0, name
+        assert 0 < s["latency_p50_ms"] <= s["latency_p99_ms"], name
+        assert s["cpu_s_per_1k_tokens"] >= 0, name
+    assert result["direct"]["added_p50_ms"] == result["direct"]["added_p99_ms"] == 0
+    assert _left_behind(tag, tmp_path) == []
+    assert _nginx_pids() <= nginx_before
+
+
+def test_nginx_config_stays_in_its_prefix_and_does_not_buffer(tmp_path):
+    conf = nginx_conf(tmp_path, 18080, 18081, 20000)
+    assert "listen 127.0.0.1:18080" in conf and "server 127.0.0.1:18081" in conf
+    assert "proxy_buffering off;" in conf and "proxy_http_version 1.1;" in conf
+    for line in conf.splitlines():
+        if "path" in line or line.startswith(("pid", "error_log")):
+            assert str(tmp_path) in line, line
+
+
+def test_nginx_gets_a_second_worker_only_when_one_cannot_open_enough_sockets():
+    assert nginx_workers(1000, 20000) == 1
+    assert nginx_workers(9000, 20000) == 1
+    assert nginx_workers(10000, 20000) == 2
+    assert nginx_workers(10000, 131072) == 1
+
+
+def test_peak_concurrency_counts_overlapping_spans():
+    assert _peak_concurrency([]) == 0
+    assert _peak_concurrency([0, 10, 5, 15, 10, 20, 30, 40]) == 3   # touching spans overlap
+    assert _peak_concurrency([0, 1, 2, 3]) == 1
