@@ -1,10 +1,12 @@
 """Admission: a bounded priority queue in front of the router that sheds load.
 
-A request is admitted when the decode pool has room for it, by what the
-workers report (through the router's `ListWorkers`, read every `poll`
-seconds): each serving decode engine's capacity (its `max_running_requests`)
-minus its load (running + waiting, plus placements its reports do not cover
-yet), and nothing when every engine's KV cache is full. Otherwise it waits,
+A request is admitted when the decode pool has room for it: the serving
+decode engines' capacity (each one's `max_running_requests`; an engine whose
+KV cache is full counts none), as the workers report it through the router's
+`ListWorkers` (read 10 times a second), minus this edge's requests in flight
+(admitted, not yet ended: counted here, exactly, from admission on, through
+their prefill) and minus the load the engines report beyond those (other edge
+replicas' requests). Otherwise it waits,
 in its key's priority class (high before normal before low) and, within a
 class, in its tenant's line: tenants take turns, so one tenant's burst
 queues behind its own requests, not in front of another tenant's steady
@@ -49,17 +51,16 @@ class _Waiter:
     queued_at: float = field(default_factory=time.monotonic)
 
 
-def pool_room(workers, decode_role: int) -> float:
-    """Requests the serving decode workers can take now (inf: no engine reports a
-    capacity, so nothing bounds it here)."""
-    decode = [w for w in workers if w.serving and w.role == decode_role]
-    if not decode:
-        return 0
-    if all(w.kv_usage >= KV_FULL for w in decode):
-        return 0
-    if any(w.capacity == 0 for w in decode):
-        return float("inf")
-    return sum(max(0, w.capacity - w.load) for w in decode if w.kv_usage < KV_FULL)
+def pool_reading(workers, decode_role: int) -> tuple[float, int]:
+    """(capacity, load) of the serving decode workers whose KV cache has room:
+    requests they run at once (inf: one reports no bound) and requests they hold.
+    No decode worker at all is not a full pool: requests go on, and the router
+    answers at once that no worker serves."""
+    serving = [w for w in workers if w.serving and w.role == decode_role]
+    decode = [w for w in serving if w.kv_usage < KV_FULL]
+    if not serving or any(w.capacity == 0 for w in decode):
+        return float("inf"), sum(w.load for w in decode)
+    return sum(w.capacity for w in decode), sum(w.load for w in decode)
 
 
 class Admission:
@@ -69,19 +70,28 @@ class Admission:
         self.max_queue = max_queue
         self.max_wait = max_wait
         self.metrics = metrics
-        self.room: float = float("inf")     # until the first reading
+        self.capacity: float = float("inf")     # until the first reading
+        self.others = 0                          # load on the pool that is not ours
+        self.in_flight = 0                       # tickets not yet released
         self.draining = False
         self.queued = 0
         self._lines: list[OrderedDict[str, deque[_Waiter]]] = [OrderedDict() for _ in range(3)]
 
-    # --- the pool's room, as read -------------------------------------------
-    def observe(self, room: float) -> None:
-        """A fresh reading of the pool (room beyond what is admitted already)."""
-        self.room = room
+    # --- the pool's room -------------------------------------------------
+    @property
+    def room(self) -> float:
+        return self.capacity - self.in_flight - self.others
+
+    def observe(self, capacity: float, load: int) -> None:
+        """A fresh reading of the pool. Its load counts our requests only once they
+        reach a decode engine, and lags a little: what exceeds our own count is
+        someone else's."""
+        self.capacity = capacity
+        self.others = max(0, load - self.in_flight)
         self._dispatch()
 
     def _released(self) -> None:
-        self.room += 1                      # until the next reading says otherwise
+        self.in_flight -= 1
         self._dispatch()
 
     # --- admitting ----------------------------------------------------------
@@ -92,7 +102,7 @@ class Admission:
             self._reject("draining", "the server is shutting down; retry on another "
                          "replica")
         if self.room >= 1 and not self.queued:
-            self.room -= 1
+            self.in_flight += 1
             return self._ticket(0.0)
         if self.queued >= self.max_queue:
             self._reject("queue_full", "the server is at capacity and its queue is full; "
@@ -137,7 +147,7 @@ class Admission:
                 del lines[tenant]
             self.queued -= 1
             if not waiter.future.done():
-                self.room -= 1
+                self.in_flight += 1
                 waiter.future.set_result(None)
         self._gauge()
 

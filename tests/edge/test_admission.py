@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from services.edge.admission import Admission, pool_room
+from services.edge.admission import Admission, pool_reading
 from services.edge.keys import PRIORITIES, APIKey
 from services.edge.openai_protocol import APIError
 from pdserve.v1 import common_pb2, router_pb2
@@ -21,30 +21,44 @@ def key(tenant: str, priority: str = "normal") -> APIKey:
 
 async def test_queued_requests_go_by_class_then_tenants_in_turn():
     adm = Admission(max_queue=100, max_wait=5)
-    adm.observe(0)
+    adm.observe(1, 0)                               # room for one request at a time
+    first = await adm.admit(key("x"))
     order = []
 
     async def ask(k: APIKey, label: str):
         ticket = await adm.admit(k)
         order.append(label)
-        return ticket
+        ticket.release()                            # done: the next one goes
 
     # A burst from tenant a, then one each from b and c, then a high-priority one.
     tasks = [asyncio.create_task(ask(key("a"), f"a{i}")) for i in range(4)]
     tasks += [asyncio.create_task(ask(key("b"), "b0")), asyncio.create_task(ask(key("c"), "c0"))]
     tasks.append(asyncio.create_task(ask(key("vip", "high"), "vip")))
     await asyncio.sleep(0)
-    assert adm.queued == 7
-    for _ in range(7):
-        adm.observe(1)
-        await asyncio.sleep(0)
+    assert adm.queued == 7 and adm.in_flight == 1
+    first.release()
     await asyncio.gather(*tasks)
     assert order == ["vip", "a0", "b0", "c0", "a1", "a2", "a3"]
+    assert adm.in_flight == 0
+
+
+async def test_room_is_capacity_less_ours_less_the_load_beyond_ours():
+    adm = Admission(max_queue=10, max_wait=5)
+    adm.observe(4, 0)
+    mine = [await adm.admit(key("a")) for _ in range(2)]
+    adm.observe(4, 1)                   # one of ours reached the engine; none of others'
+    assert adm.room == 2
+    adm.observe(4, 3)                   # the engine holds one more than we sent: another edge's
+    assert adm.room == 1
+    for t in mine:
+        t.release()
+        t.release()                     # twice is once
+    assert adm.in_flight == 0
 
 
 async def test_full_queue_and_long_wait_answer_503_quickly():
     adm = Admission(max_queue=2, max_wait=0.2)
-    adm.observe(0)
+    adm.observe(0, 0)
     waiting = [asyncio.create_task(adm.admit(key("a"))) for _ in range(2)]
     await asyncio.sleep(0)
     started = time.perf_counter()
@@ -61,7 +75,7 @@ async def test_full_queue_and_long_wait_answer_503_quickly():
 
 async def test_drain_refuses_the_queued_and_the_new_and_a_gone_caller_leaves_the_queue():
     adm = Admission(max_queue=10, max_wait=5)
-    adm.observe(0)
+    adm.observe(0, 0)
     gone = asyncio.create_task(adm.admit(key("a")))
     queued = asyncio.create_task(adm.admit(key("b")))
     await asyncio.sleep(0)
@@ -76,18 +90,18 @@ async def test_drain_refuses_the_queued_and_the_new_and_a_gone_caller_leaves_the
         await adm.admit(key("c"))
 
 
-def test_pool_room_is_capacity_minus_load_of_serving_decode_workers():
+def test_pool_reading_counts_serving_decode_workers_with_kv_room():
     D, P = common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_PREFILL
 
     def w(role=D, serving=True, load=0, capacity=4, kv=0.1):
         return router_pb2.WorkerInfo(role=role, serving=serving, load=load, capacity=capacity,
                                      kv_usage=kv)
-    assert pool_room([w(load=1), w(load=4), w(role=P, load=0, capacity=100)], D) == 3
-    assert pool_room([w(load=1), w(serving=False, load=0)], D) == 3
-    assert pool_room([w(load=0, kv=0.97), w(load=3)], D) == 1      # a full KV cache: no room
-    assert pool_room([w(kv=0.99)], D) == 0
-    assert pool_room([w(capacity=0)], D) == float("inf")           # nothing reports a bound
-    assert pool_room([], D) == 0
+    assert pool_reading([w(load=1), w(load=4), w(role=P, load=0, capacity=100)], D) == (8, 5)
+    assert pool_reading([w(load=1), w(serving=False, load=2)], D) == (4, 1)
+    assert pool_reading([w(load=0, kv=0.97), w(load=3)], D) == (4, 3)   # a full KV cache
+    assert pool_reading([w(kv=0.99)], D) == (0, 0)
+    assert pool_reading([w(capacity=0, load=2)], D) == (float("inf"), 2)
+    assert pool_reading([], D) == (float("inf"), 0)      # no worker: the router says so
 
 
 async def test_the_edge_queues_past_the_engines_capacity_and_sheds_past_the_queue(model_dir):
