@@ -8,6 +8,8 @@
                                                     vs SMG cache_aware / consistent_hashing
     pdserve bench edge [--streams N] [--rate R]     N concurrent SSE streams: direct, through
                        [--duration S] [--json]      nginx, through pdserve's edge
+    pdserve bench admission [--smoke] [--json]      3x overload and a tenant bursting at 10x,
+                  [--backend B] [--duration S]      with admission control and without
 """
 from __future__ import annotations
 
@@ -286,6 +288,49 @@ def _edge(argv: list[str]) -> int:
     return 0
 
 
+def _admission(argv: list[str]) -> int:
+    import signal
+    from dataclasses import replace
+
+    from pdserve.cli import DEFAULT_MODEL_DIR
+    from pdserve.tiny_model import ensure_tiny_model
+
+    from .admission import SMOKE, Settings, bench_admission, table
+
+    p = argparse.ArgumentParser(prog="pdserve bench admission",
+                                description="The edge at 3x what the decode pool serves, and "
+                                            "a tenant bursting at 10x another's rate: with "
+                                            "admission control, then with --no-admission.")
+    p.add_argument("--backend", choices=["real", "synthetic"], default=None,
+                   help="real: pdserve up with the tiny model (default); synthetic: the "
+                        "edge and router in front of a synthetic engine (seconds)")
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="seconds of arrivals per open-loop phase (default 30; smoke 3)")
+    p.add_argument("--max-num-seqs", type=int, default=Settings().max_num_seqs,
+                   help="the decode engine's capacity")
+    p.add_argument("--smoke", action="store_true",
+                   help="synthetic backend, a few seconds per phase: checks the runner")
+    p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    a = p.parse_args(argv)
+    st = SMOKE if a.smoke else Settings()
+    st = replace(st, backend=a.backend or st.backend, duration=a.duration or st.duration,
+                 max_num_seqs=a.max_num_seqs, seed=a.seed)
+    if st.duration <= 0 or st.max_num_seqs < 1:
+        print("pdserve bench admission: --duration and --max-num-seqs must be > 0",
+              file=sys.stderr)
+        return 2
+    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
+    signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
+    with contextlib.redirect_stdout(sys.stderr):
+        result = bench_admission(st, model)
+    result["command"] = "pdserve bench admission " + shlex.join(argv)
+    print(json.dumps(result) if a.json else table(result))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Dispatch `pdserve bench <what> ...`."""
     if argv[:1] == ["serve"]:
@@ -300,5 +345,7 @@ def main(argv: list[str]) -> int:
         return _sessions(argv[1:])
     if argv[:1] == ["edge"]:
         return _edge(argv[1:])
+    if argv[:1] == ["admission"]:
+        return _admission(argv[1:])
     print(__doc__.strip(), file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2

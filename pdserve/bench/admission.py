@@ -1,0 +1,680 @@
+"""`pdserve bench admission`: the edge at 3x what its pool can serve, and a bursting tenant.
+
+One stack with admission control and then the same stack with `--no-admission`
+(everything goes straight to the engines), each on free loopback ports, with a
+keys file of two tenants, `steady` and `burst` (both `normal`):
+
+- real backend: `pdserve up` (1 prefill + 1 decode worker, the tiny model) with
+  `--max-num-seqs` small, so that the decode pool's capacity is a few requests;
+- synthetic backend: `pdserve router` + `pdserve edge` in front of a synthetic
+  engine (this module run as `python -m pdserve.bench.admission`: the clock
+  engine of `services/worker/synthetic.py` holding at most `capacity` streams at
+  once, the rest waiting, as vLLM's scheduler does), so the flow runs in seconds.
+
+Every request is a streamed completion (~64-token prompt, `max_tokens` with
+`ignore_eos`), read as SSE. Phases:
+
+1. capacity: a closed loop at concurrency = capacity -> R requests/s; its TTFT,
+   TPOT and e2e set the SLO the rest is judged by (stated in the result);
+2. overload: open-loop Poisson arrivals at 3R for `duration`, with admission
+   and without; per run: offered, accepted (200), completed ([DONE],
+   finish_reason `length` and, on the real backend, exactly `max_tokens`
+   completion tokens), rejected (503/429) and how fast, lost (accepted but cut,
+   incomplete or never answered), TTFT/TPOT of the completed, the edge's peak
+   RSS (sampled), its queue wait and rejections (its /metrics), and the decode
+   engine's peak running/waiting requests (real backend);
+3. fairness: `steady` alone at 0.3R, then with `burst` at 10x that (3R), with
+   admission and without: steady's TTFT p99 against its value alone.
+
+Only the result goes to stdout; progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .deployments import Hardware, PdserveStack, _Children, free_port
+
+TENANTS = {"steady": "sk-bench-steady-0f3a9c", "burst": "sk-bench-burst-7d21e4"}
+REJECTED = (429, 503)
+
+
+def progress(msg: str) -> None:
+    print(f"[bench admission {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """One run of the benchmark."""
+
+    backend: str = "real"           # "real" | "synthetic"
+    duration: float = 30.0          # seconds of arrivals per open-loop phase
+    capacity_seconds: float = 20.0  # the closed loop that measures R
+    max_num_seqs: int = 4           # the decode engine's capacity
+    prompt_tokens: int = 64
+    max_tokens: int = 32
+    overload: float = 3.0           # x R in the overload phase
+    steady_share: float = 0.3       # the steady tenant's rate, x R
+    burst_factor: float = 10.0      # the bursting tenant's rate, x the steady one's
+    queue: int = 0                  # --admission-queue (0: max_num_seqs)
+    wait: float = 5.0               # --admission-wait-seconds
+    synthetic_rate: float = 100.0   # synthetic engine: tokens per second per stream
+    timeout: float = 0.0            # a request not done this long after it was sent is
+                                    # lost (0: 3 x overload x duration + 60)
+    settle: float = 2.5             # idle seconds after a phase: the router's view of the
+                                    # engine's load catches up (static workers: polled)
+    seed: int = 0
+
+    @property
+    def admission_queue(self) -> int:
+        return self.queue or self.max_num_seqs
+
+    @property
+    def request_timeout(self) -> float:
+        return self.timeout or 3 * self.overload * self.duration + 60
+
+
+SMOKE = Settings(backend="synthetic", duration=1.5, capacity_seconds=1.0, timeout=30.0,
+                 settle=1.0)
+
+
+# --- the synthetic engine (`python -m pdserve.bench.admission ...`) ---------------------
+
+def _bounded_engine(tokenizer, name: str, rate: float, capacity: int):
+    """The stamp engine of `pdserve bench edge`, running at most `capacity` streams at
+    once; the rest wait their turn and are reported as waiting."""
+    from smg_grpc_proto import vllm_engine_pb2
+
+    from .edge_source import StampEngine
+
+    class BoundedEngine(StampEngine):
+        def __init__(self):
+            super().__init__(tokenizer, name, rate)
+            self.capacity = capacity
+            self.slots = asyncio.Semaphore(capacity)
+            self.waiting = 0
+
+        async def Generate(self, request, context):
+            self.waiting += 1
+            try:
+                await self.slots.acquire()
+            finally:
+                self.waiting -= 1
+            try:
+                async for out in super().Generate(request, context):
+                    yield out
+            finally:
+                self.slots.release()
+
+        async def GetLoads(self, request, context):
+            return vllm_engine_pb2.GetLoadsResponse(dp_rank_count=1, loads=[
+                vllm_engine_pb2.SchedulerLoad(num_running_reqs=len(self.running),
+                                              num_waiting_reqs=self.waiting,
+                                              max_running_requests=self.capacity)])
+
+    return BoundedEngine()
+
+
+async def _serve_engine(model: str, port: int, rate: float, capacity: int) -> None:
+    from smg_grpc_proto import vllm_engine_pb2_grpc
+    from transformers import AutoTokenizer
+
+    from pdserve.lifecycle import until_signalled
+    from pdserve.rpc import Server
+    from services.worker.synthetic import SERVICE_NAME
+
+    engine = _bounded_engine(AutoTokenizer.from_pretrained(model), model, rate, capacity)
+    server = Server("127.0.0.1", port, lambda s: vllm_engine_pb2_grpc
+                    .add_VllmEngineServicer_to_server(engine, s), [SERVICE_NAME])
+    await server.start()
+    try:
+        await until_signalled()
+    finally:
+        await server.stop(grace=1.0)
+
+
+# --- the stacks under test ---------------------------------------------------------------
+
+def _edge_flags(st: Settings, keys_file: Path, admission: bool) -> list[str]:
+    return ["--api-keys-file", str(keys_file), "--admission" if admission else "--no-admission",
+            "--admission-queue", str(st.admission_queue),
+            "--admission-wait-seconds", str(st.wait), "--drain-seconds", "2"]
+
+
+class _RealStack:
+    """`pdserve up` with the tiny model and `--max-num-seqs` small."""
+
+    def __init__(self, st: Settings, model: str, keys_file: Path, admission: bool):
+        flags = ("--max-num-seqs", str(st.max_num_seqs), *_edge_flags(st, keys_file, admission))
+        hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
+        self.stack = PdserveStack("admission" if admission else "no-admission", model,
+                                  local_prefill_below=32, hw=hw, placement=flags)
+        self.url = ""
+
+    def start(self) -> str:
+        self.url = self.stack.start()[0]
+        return self.url
+
+    def edge_pid(self) -> int:
+        import psutil
+        return next(pid for pid in self.stack.gateway_pids()
+                    if "edge" in psutil.Process(pid).cmdline())
+
+    @property
+    def engine_metrics(self) -> str | None:
+        return self.stack.decode_metrics[0]
+
+    def stop(self) -> None:
+        self.stack.stop()
+
+
+class _SyntheticStack:
+    """`pdserve router` + `pdserve edge` in front of the bounded synthetic engine."""
+
+    def __init__(self, st: Settings, model: str, keys_file: Path, admission: bool):
+        self.st, self.model, self.keys_file, self.admission = st, model, keys_file, admission
+        self.children = _Children("admission-synthetic")
+        self.url = ""
+        self.engine_metrics = None
+
+    def start(self) -> str:
+        engine, router, edge, grpc_port = (free_port() for _ in range(4))
+        cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
+        self.children.start([sys.executable, "-m", "pdserve.bench.admission", "--model",
+                             self.model, "--port", str(engine), "--rate",
+                             str(self.st.synthetic_rate), "--capacity",
+                             str(self.st.max_num_seqs)], {})
+        self.children.start([*cli, "router", "--port", str(router),
+                             "--decode-worker", f"127.0.0.1:{engine}"], {})
+        self.children.start([*cli, "edge", "--router", f"127.0.0.1:{router}", "--port",
+                             str(edge), "--grpc-port", str(grpc_port), "--model", self.model,
+                             "--min-prefill-workers", "0",
+                             *_edge_flags(self.st, self.keys_file, self.admission)], {})
+        self.url = f"http://127.0.0.1:{edge}"
+        self.children.wait_healthy([self.url + "/health"])
+        return self.url
+
+    def edge_pid(self) -> int:
+        return self.children.procs[-1][0].pid
+
+    def stop(self) -> None:
+        self.children.stop()
+
+
+# --- the load ----------------------------------------------------------------------------
+
+def prompts(model: str, n_tokens: int, seed: int):
+    """Endless distinct prompts of about `n_tokens` tokens (no shared prefix to cache)."""
+    from transformers import AutoTokenizer
+
+    from pdserve.tiny_model import synthetic_corpus
+    tok = AutoTokenizer.from_pretrained(model)
+    i = 0
+    while True:
+        text = " ".join(synthetic_corpus(seed * 1_000_003 + i, max(2, n_tokens // 8)))
+        ids = tok.encode(text, add_special_tokens=False)[:n_tokens - 1]   # + BOS
+        yield tok.decode(ids)
+        i += 1
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request as its client saw it (times in seconds from its send)."""
+
+    tenant: str
+    status: int = 0                 # 0: no response
+    headers_at: float | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0                 # usage.completion_tokens
+    chunks: int = 0
+    done: bool = False              # data: [DONE]
+    finish: str = ""
+    retry_after: bool = False
+    error: str = ""
+
+
+async def _request(http, url: str, tenant: str, body: dict) -> Outcome:
+    """One streamed completion; parses SSE (`id:`, `data:` and comment lines)."""
+    import aiohttp
+    o = Outcome(tenant)
+    start = time.perf_counter()
+    try:
+        async with http.post(f"{url}/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {TENANTS[tenant]}"}) as r:
+            o.status, o.headers_at = r.status, time.perf_counter() - start
+            if r.status != 200:
+                o.retry_after = "Retry-After" in r.headers
+                await r.read()
+                return o
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    o.done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    o.error = str(event["error"].get("code") or "stream_error")
+                for choice in event.get("choices") or []:
+                    if o.ttft is None:
+                        o.ttft = time.perf_counter() - start
+                    o.chunks += bool(choice.get("text"))
+                    o.finish = choice.get("finish_reason") or o.finish
+                if event.get("usage"):
+                    o.tokens = event["usage"]["completion_tokens"]
+            o.e2e = time.perf_counter() - start
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        o.error = type(e).__name__
+    return o
+
+
+class _Load:
+    """Sends the benchmark's requests to one edge."""
+
+    def __init__(self, st: Settings, model: str, url: str, prompt_source):
+        self.st, self.model, self.url, self.prompts = st, model, url, prompt_source
+        self.lag: list[float] = []      # the client's own event-loop lag (s), sampled
+
+    async def _watch_lag(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            self.lag.append(time.perf_counter() - t - 0.01)
+
+    def body(self) -> dict:
+        return {"model": self.model, "prompt": next(self.prompts), "max_tokens":
+                self.st.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+    def _session(self):
+        import aiohttp
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=self.st.request_timeout))
+
+    async def closed(self, concurrency: int, seconds: float) -> tuple[list[Outcome], float]:
+        """`concurrency` clients, each sending its next request when the last ends."""
+        out: list[Outcome] = []
+        async with self._session() as http:
+            t0 = time.perf_counter()
+
+            async def client() -> None:
+                while time.perf_counter() - t0 < seconds:
+                    out.append(await _request(http, self.url, "steady", self.body()))
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+            return out, time.perf_counter() - t0
+
+    async def open(self, rates: dict[str, float], seconds: float, seed: int) -> list[Outcome]:
+        """Poisson arrivals per tenant at `rates` (req/s) for `seconds`; every request is
+        waited for."""
+        rng = random.Random(seed)
+        arrivals = []
+        for tenant, rate in rates.items():
+            t = rng.expovariate(rate)
+            while t < seconds:
+                arrivals.append((t, tenant))
+                t += rng.expovariate(rate)
+        arrivals.sort()
+        self.lag = []
+        watch = asyncio.create_task(self._watch_lag())
+        try:
+            async with self._session() as http:
+                t0, tasks = time.perf_counter(), []
+                for t, tenant in arrivals:
+                    delay = t0 + t - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(_request(http, self.url, tenant,
+                                                              self.body())))
+                return list(await asyncio.gather(*tasks))
+        finally:
+            watch.cancel()
+
+
+# --- what the edge and the engine say ----------------------------------------------------
+
+def _scrape(url: str) -> dict[str, dict[str, float]]:
+    """The edge's admission series: queue-wait histogram and rejections by reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        body = r.read().decode()
+    out: dict[str, dict[str, float]] = {"wait_bucket": {}, "wait": {}, "rejections": {}}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == "pdserve_queue_wait_seconds_bucket":
+                out["wait_bucket"][s.labels["le"]] = s.value
+            elif s.name in ("pdserve_queue_wait_seconds_count", "pdserve_queue_wait_seconds_sum"):
+                out["wait"][s.name.rsplit("_", 1)[1]] = s.value
+            elif s.name == "pdserve_rejections_total":
+                out["rejections"][s.labels["reason"]] = s.value
+    return out
+
+
+def _queue_wait(before: dict, after: dict) -> dict:
+    """Queue wait of the requests admitted between two scrapes: count, mean, and the
+    histogram bucket holding p50 / p99 (`le`, in ms)."""
+    n = after["wait"].get("count", 0) - before["wait"].get("count", 0)
+    if n <= 0:
+        return {"admitted": 0}
+    total = after["wait"]["sum"] - before["wait"].get("sum", 0)
+    cum = sorted(((float(le), v - before["wait_bucket"].get(le, 0))
+                  for le, v in after["wait_bucket"].items()))
+
+    def le_ms(q: float):
+        le = next(le for le, c in cum if c >= q * n)
+        return None if le == float("inf") else round(le * 1000, 1)
+    return {"admitted": int(n), "mean_ms": round(total / n * 1000, 1),
+            "p50_le_ms": le_ms(0.5), "p99_le_ms": le_ms(0.99)}
+
+
+class _Watch:
+    """Samples the edge's RSS (10/s) and the decode engine's running/waiting (2/s) in a
+    thread while a phase runs."""
+
+    def __init__(self, edge_pid: int, engine_metrics: str | None):
+        import psutil
+        self.edge = psutil.Process(edge_pid)
+        self.engine_metrics = engine_metrics
+        self.rss = [self.edge.memory_info().rss]
+        self.cpu = [self._cpu()]
+        self.engine = {"running": 0.0, "waiting": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from .deployments import metric_sum
+        n = 0
+        while not self._stop.wait(0.1):
+            self.rss.append(self.edge.memory_info().rss)
+            n += 1
+            if self.engine_metrics and n % 5 == 0:
+                try:
+                    for k in self.engine:
+                        self.engine[k] = max(self.engine[k], metric_sum(
+                            self.engine_metrics, f"vllm:num_requests_{k}"))
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "_Watch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.rss.append(self.edge.memory_info().rss)
+        self.cpu.append(self._cpu())
+
+    def _cpu(self) -> tuple[float, float]:
+        """CPU seconds so far of the edge and of this process (the load generator)."""
+        import psutil
+        return tuple(sum(t[:2]) for t in (self.edge.cpu_times(), psutil.Process().cpu_times()))
+
+    def figures(self) -> dict:
+        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+        out = {"edge_rss_mib": {"start": mib(self.rss[0]), "peak": mib(max(self.rss)),
+                                "end": mib(self.rss[-1]),
+                                "growth": mib(max(self.rss) - self.rss[0])},
+               "cpu_s": {"edge": round(self.cpu[1][0] - self.cpu[0][0], 1),
+                         "load_generator": round(self.cpu[1][1] - self.cpu[0][1], 1)}}
+        if self.engine_metrics:
+            out["decode_engine_peak"] = {k: int(v) for k, v in self.engine.items()}
+        return out
+
+
+# --- figures -----------------------------------------------------------------------------
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 1) if values else None
+
+
+def _dist(values: list[float]) -> dict:
+    return {"p50": _pct(values, 50), "p99": _pct(values, 99)}
+
+
+def completed(o: Outcome, st: Settings) -> bool:
+    """Answered 200 and streamed to the end: [DONE], finish_reason `length`, and on the
+    real backend exactly `max_tokens` tokens (the synthetic engine's tokens are stamps)."""
+    return (o.status == 200 and o.done and not o.error and o.finish == "length"
+            and (st.backend == "synthetic" or o.tokens == st.max_tokens))
+
+
+def figures(outs: list[Outcome], st: Settings, slo: dict | None = None) -> dict:
+    """What one tenant (or all) saw in one phase; times in ms."""
+    done = [o for o in outs if completed(o, st)]
+    rejected = [o for o in outs if o.status in REJECTED]
+    statuses: dict[str, int] = {}
+    for o in outs:
+        if o.status not in (0, 200, *REJECTED):
+            statuses[str(o.status)] = statuses.get(str(o.status), 0) + 1
+    tpot = [(o.e2e - o.ttft) / max(1, st.max_tokens - 1) * 1000 for o in done]
+    out = {"offered": len(outs), "accepted": sum(o.status == 200 for o in outs),
+           "completed": len(done),
+           "rejected": {str(s): sum(o.status == s for o in rejected) for s in REJECTED},
+           "rejected_with_retry_after": sum(o.retry_after for o in rejected),
+           "lost": {"cut_or_incomplete": sum(o.status == 200 and not completed(o, st)
+                                             for o in outs),
+                    "no_response": sum(o.status == 0 for o in outs)},
+           "other_status": statuses,
+           "ttft_ms": _dist([o.ttft * 1000 for o in done]), "tpot_ms": _dist(tpot),
+           "e2e_ms": _dist([o.e2e * 1000 for o in done]),
+           "rejection_ms": _dist([o.headers_at * 1000 for o in rejected])}
+    out["lost"]["total"] = sum(out["lost"].values())
+    if slo:
+        within = sum(o.ttft * 1000 <= slo["ttft_p99_ms"] and t <= slo["tpot_p99_ms"]
+                     for o, t in zip(done, tpot))
+        out["completed_within_slo"] = within
+    return out
+
+
+def _slo(cap: dict) -> dict:
+    """The SLO the overload runs are judged by, from the run at capacity: a request may
+    wait one request's time in the queue on top of an unqueued TTFT, and decode no more
+    than 25% slower than in a full batch."""
+    return {"ttft_p99_ms": round(cap["ttft_ms"]["p99"] + cap["e2e_ms"]["p50"], 1),
+            "tpot_p99_ms": round(1.25 * cap["tpot_ms"]["p99"], 1),
+            "how": "TTFT p99 <= TTFT p99 + e2e p50 at capacity (one queue turn); "
+                   "TPOT p99 <= 1.25 x TPOT p99 at capacity"}
+
+
+def _within(run: dict, slo: dict) -> bool:
+    return (run["completed"] > 0 and run["ttft_ms"]["p99"] <= slo["ttft_p99_ms"]
+            and run["tpot_ms"]["p99"] <= slo["tpot_p99_ms"])
+
+
+# --- the phases --------------------------------------------------------------------------
+
+class _Runner:
+    """Runs phases against one started stack."""
+
+    def __init__(self, st: Settings, stack, load: _Load):
+        self.st, self.stack, self.load = st, stack, load
+        self.seed = st.seed
+
+    def open(self, name: str, rates: dict[str, float], slo: dict | None) -> dict:
+        progress(f"{name}: " + ", ".join(f"{t} {r:.2f} req/s" for t, r in rates.items())
+                 + f" for {self.st.duration:g} s")
+        before = _scrape(self.stack.url)
+        self.seed += 1
+        t0 = time.perf_counter()
+        with _Watch(self.stack.edge_pid(), self.stack.engine_metrics) as watch:
+            outs = asyncio.run(self.load.open(rates, self.st.duration, self.seed))
+        after = _scrape(self.stack.url)
+        wall = time.perf_counter() - t0
+        run = {"rates_rps": {t: round(r, 2) for t, r in rates.items()},
+               "wall_s": round(wall, 1), **figures(outs, self.st, slo)}
+        run["completed_rps"] = round(run["completed"] / wall, 2)
+        run["load_generator_loop_lag_ms"] = _dist([x * 1000 for x in self.load.lag])
+        if len(rates) > 1:
+            run["tenants"] = {t: figures([o for o in outs if o.tenant == t], self.st, slo)
+                              for t in rates}
+        run |= watch.figures()
+        run["queue_wait"] = _queue_wait(before, after)
+        run["rejections_by_reason"] = {k: int(v - before["rejections"].get(k, 0))
+                                       for k, v in after["rejections"].items()
+                                       if v - before["rejections"].get(k, 0)}
+        progress(f"  {_line(run)}")
+        time.sleep(self.st.settle)
+        return run
+
+    def warm_up(self) -> None:
+        asyncio.run(self.load.closed(self.st.max_num_seqs, 0.1))
+
+    def capacity(self) -> dict:
+        c = self.st.max_num_seqs
+        progress(f"capacity: closed loop, {c} at once for {self.st.capacity_seconds:g} s")
+        outs, elapsed = asyncio.run(self.load.closed(c, self.st.capacity_seconds))
+        run = figures(outs, self.st)
+        run |= {"concurrency": c, "elapsed_s": round(elapsed, 2),
+                "throughput_rps": round(run["completed"] / elapsed, 3)}
+        progress(f"  R = {run['throughput_rps']} req/s; {_line(run)}")
+        return run
+
+
+def _line(run: dict) -> str:
+    return (f"offered {run['offered']}, completed {run['completed']}, rejected "
+            f"{sum(run['rejected'].values())}, lost {run['lost']['total']}, TTFT p50/p99 "
+            f"{run['ttft_ms']['p50']}/{run['ttft_ms']['p99']} ms, TPOT p99 "
+            f"{run['tpot_ms']['p99']} ms, rejection p99 {run['rejection_ms']['p99']} ms")
+
+
+def _with_stack(st: Settings, model: str, keys_file: Path, admission: bool, phases) -> None:
+    cls = _RealStack if st.backend == "real" else _SyntheticStack
+    stack = cls(st, model, keys_file, admission)
+    progress(f"starting the {st.backend} stack, {'with' if admission else 'without'} admission")
+    try:
+        url = stack.start()
+        runner = _Runner(st, stack, _Load(st, model, url, prompts(model, st.prompt_tokens,
+                                                                  st.seed)))
+        runner.warm_up()
+        phases(runner)
+    finally:
+        progress("stopping the stack")
+        stack.stop()
+
+
+def bench_admission(st: Settings, model: str) -> dict:
+    """Both stacks in turn, every phase; the result as one dict."""
+    result: dict = {"settings": asdict(st) | {"admission_queue": st.admission_queue,
+                                              "request_timeout_s": st.request_timeout,
+                                              "model": model}}
+    overload: dict = {}
+    fairness: dict = {}
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-admission-") as tmp:
+        keys_file = Path(tmp) / "keys"
+        keys_file.write_text("".join(f"{k} {t} normal\n" for t, k in TENANTS.items()))
+
+        def admitted(r: _Runner) -> None:
+            cap = result["capacity"] = r.capacity()
+            rate = cap["throughput_rps"]
+            if not rate:
+                raise RuntimeError("nothing completed in the capacity run: "
+                                   + json.dumps(cap))
+            slo = result["slo"] = _slo(cap)
+            result["rates_rps"] = {"R": rate, "overload": round(st.overload * rate, 3),
+                                   "steady": round(st.steady_share * rate, 3),
+                                   "burst": round(st.steady_share * st.burst_factor * rate, 3)}
+            overload["admission"] = r.open("overload, admission",
+                                           {"burst": st.overload * rate}, slo)
+            fairness["steady_alone"] = r.open("fairness, steady alone",
+                                              {"steady": st.steady_share * rate}, slo)
+            fairness["with_burst_admission"] = r.open("fairness, steady + burst, admission",
+                                                      _pair(st, rate), slo)
+
+        def baseline(r: _Runner) -> None:
+            rate, slo = result["rates_rps"]["R"], result["slo"]
+            overload["no_admission"] = r.open("overload, no admission",
+                                              {"burst": st.overload * rate}, slo)
+            fairness["with_burst_no_admission"] = r.open(
+                "fairness, steady + burst, no admission", _pair(st, rate), slo)
+
+        _with_stack(st, model, keys_file, True, admitted)
+        _with_stack(st, model, keys_file, False, baseline)
+    result["overload"], result["fairness"] = overload, fairness
+    alone = fairness["steady_alone"]["ttft_ms"]["p99"]
+    for mode in ("admission", "no_admission"):
+        steady = fairness[f"with_burst_{mode}"]["tenants"]["steady"]
+        fairness[f"steady_ttft_p99_ratio_{mode}"] = (
+            round(steady["ttft_ms"]["p99"] / alone, 2)
+            if alone and steady["ttft_ms"]["p99"] is not None else None)
+    result["targets"] = targets(result)
+    return result
+
+
+def _pair(st: Settings, rate: float) -> dict[str, float]:
+    steady = st.steady_share * rate
+    return {"steady": steady, "burst": steady * st.burst_factor}
+
+
+def targets(result: dict) -> dict:
+    """The issue's targets, each met or not (with admission)."""
+    adm, slo = result["overload"]["admission"], result["slo"]
+    rej = adm["rejection_ms"]["p99"]
+    ratio = result["fairness"]["steady_ttft_p99_ratio_admission"]
+    return {"overload_accepted_within_slo": _within(adm, slo),
+            "overload_rejection_p99_under_10ms": rej is not None and rej < 10,
+            "overload_nothing_accepted_lost": adm["lost"]["total"] == 0
+            and adm["accepted"] == adm["completed"],
+            "overload_only_503_429_refusals": not adm["other_status"],
+            "overload_edge_rss_growth_under_32mib": adm["edge_rss_mib"]["growth"] < 32,
+            "fairness_steady_ttft_p99_within_1_5x_alone": ratio is not None and ratio <= 1.5}
+
+
+def table(result: dict) -> str:
+    """The figures as text."""
+    s, r = result["settings"], result["rates_rps"]
+    cap = result["capacity"]
+    rows = [f"{s['backend']} backend, max-num-seqs {s['max_num_seqs']}, admission queue "
+            f"{s['admission_queue']}, wait {s['wait']} s; {s['prompt_tokens']}-token prompts, "
+            f"{s['max_tokens']} out",
+            f"capacity R = {r['R']} req/s (closed loop at {cap['concurrency']}): TTFT p50/p99 "
+            f"{cap['ttft_ms']['p50']}/{cap['ttft_ms']['p99']} ms, TPOT p99 "
+            f"{cap['tpot_ms']['p99']} ms, e2e p50 {cap['e2e_ms']['p50']} ms",
+            f"SLO: TTFT p99 <= {result['slo']['ttft_p99_ms']} ms, TPOT p99 <= "
+            f"{result['slo']['tpot_p99_ms']} ms"]
+    for name, run in [*(("overload " + k, v) for k, v in result["overload"].items()),
+                      *(("fairness " + k, v) for k, v in result["fairness"].items()
+                        if isinstance(v, dict))]:
+        rows.append(f"{name}: {_line(run)}, edge RSS peak {run['edge_rss_mib']['peak']} MiB "
+                    f"(+{run['edge_rss_mib']['growth']}), queue wait {run['queue_wait']}")
+        for tenant, t in run.get("tenants", {}).items():
+            rows.append(f"    {tenant}: {_line(t)}")
+    f = result["fairness"]
+    rows.append(f"steady TTFT p99 with burst / alone: admission "
+                f"{f['steady_ttft_p99_ratio_admission']}, no admission "
+                f"{f['steady_ttft_p99_ratio_no_admission']}")
+    rows += [f"  target {k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The synthetic engine the synthetic backend starts."""
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.admission",
+                                description="A synthetic engine that runs at most --capacity "
+                                            "streams at once (the rest wait).")
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--rate", type=float, default=100.0, help="tokens per second per stream")
+    p.add_argument("--capacity", type=int, default=4)
+    a = p.parse_args(argv)
+    import uvloop
+    uvloop.run(_serve_engine(a.model, a.port, a.rate, a.capacity))
+
+
+if __name__ == "__main__":
+    main()
+
