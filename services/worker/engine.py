@@ -62,7 +62,7 @@ class VllmEngine:
                else {"gpu_memory_utilization": cfg.gpu_memory_utilization}),
         )
         self.cfg = cfg
-        self.llm = AsyncLLM.from_engine_args(args)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_scheduler_snapshot()])
         log.info("engine ready: model=%s role=%s dtype=%s", cfg.name, role, cfg.dtype)
 
     async def abort(self, request_id: str) -> None:
@@ -78,3 +78,27 @@ class VllmEngine:
             # NOTE: dropping the last reference here runs AsyncLLM.__del__ (which
             # shuts down again) while modules are alive, not at interpreter exit.
             del llm
+
+
+def _scheduler_snapshot():
+    """A stat logger that keeps each engine step's `SchedulerStats` and logs
+    nothing. vLLM's servicer reads the engine's load (running, waiting, KV usage:
+    GetLoads and the load record on the KV-event stream) from such a snapshot,
+    and vLLM creates its own logging one only when its logger is at INFO; pdserve
+    runs vLLM at WARNING, which left every reported load at zero."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SchedulerSnapshot(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+            self.last_scheduler_stats = None
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
+                   engine_idx: int = 0):
+            if scheduler_stats is not None:
+                self.last_scheduler_stats = scheduler_stats
+
+        def log_engine_initialized(self):
+            pass
+
+    return SchedulerSnapshot
