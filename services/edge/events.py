@@ -25,6 +25,16 @@ def error_payload(e: oai.APIError) -> str:
     return payload(e.body())
 
 
+_HOLE = "\x00"                                     # stands for the text in a template
+
+
+def _text_template(chunk: dict) -> tuple[str, str]:
+    """A chunk rendered once around a placeholder text: (before, after) the text's
+    JSON string, so each event costs one json.dumps of its text only."""
+    before, after = payload(chunk).split(json.dumps(_HOLE), 1)
+    return before, after
+
+
 async def render(kind: oai.Kind, include_usage: bool, stream: GenerationStream, model: str
                  ) -> AsyncIterator[list[str]]:
     """Payload batches as the decode worker's chunks arrive: one per chunk with
@@ -37,6 +47,10 @@ async def render(kind: oai.Kind, include_usage: bool, stream: GenerationStream, 
         return payload(oai.completion_chunk(rid, model, created, text=text or "",
                                             finish_reason=finish))
 
+    before, after = _text_template(
+        oai.chat_chunk(rid, model, created, content=_HOLE) if kind == "chat"
+        else oai.completion_chunk(rid, model, created, text=_HOLE))
+
     # Chat opens with the assistant's role. It goes out with the first text, as
     # vLLM's server sends it (with its first output), not before: an empty
     # event ahead of the first token would only make the stream look faster
@@ -46,7 +60,7 @@ async def render(kind: oai.Kind, include_usage: bool, stream: GenerationStream, 
     async with contextlib.aclosing(stream.chunks()) as chunks:
         async for chunk in chunks:
             if chunk.text:
-                yield opening + [event(chunk.text)]
+                yield opening + [before + json.dumps(chunk.text) + after]
                 opening = []
     last = opening + [event(None if kind == "chat" else "", stream.finish_reason or "stop")]
     if include_usage:
