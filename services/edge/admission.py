@@ -10,7 +10,11 @@ replicas' requests). Otherwise it waits,
 in its key's priority class (high before normal before low) and, within a
 class, in its tenant's line: tenants take turns, so one tenant's burst
 queues behind its own requests, not in front of another tenant's steady
-traffic. The queue is bounded in length and in wait: past either, 503 with
+traffic. When the queue is full, a newcomer takes the place of the newest
+request of a lower class, or of the tenant with the longest line in its own
+class (if that line is longer than its own tenant's), so a burst fills the
+queue with its own requests but cannot shut others out of it. The queue is
+bounded in length and in wait: past either, 503 with
 `Retry-After` at once (a caller that is refused quickly can go elsewhere; one
 that waits past its SLO is served too late to count). Draining admits
 nothing more.
@@ -104,7 +108,7 @@ class Admission:
         if self.room >= 1 and not self.queued:
             self.in_flight += 1
             return self._ticket(0.0)
-        if self.queued >= self.max_queue:
+        if self.queued >= self.max_queue and not self._push_out(key):
             self._reject("queue_full", "the server is at capacity and its queue is full; "
                          "retry later")
         waiter = _Waiter(asyncio.get_running_loop().create_future())
@@ -150,6 +154,28 @@ class Admission:
                 self.in_flight += 1
                 waiter.future.set_result(None)
         self._gauge()
+
+    def _push_out(self, key: APIKey) -> bool:
+        """Make room in a full queue for `key`'s request by refusing the newest
+        request of a lower class, or of a longer line in its class; False if none."""
+        mine = len(self._lines[key.priority].get(key.tenant, ()))
+        for priority in range(len(self._lines) - 1, key.priority - 1, -1):
+            lines = self._lines[priority]
+            if not lines:
+                continue
+            tenant, line = max(lines.items(), key=lambda item: len(item[1]))
+            if priority == key.priority and len(line) <= mine + 1:
+                return False
+            victim = line.pop()
+            if not line:
+                del lines[tenant]
+            self.queued -= 1
+            if not victim.future.done():
+                victim.future.set_result(self._error(
+                    "queue_full", "the server is at capacity and its queue is full; "
+                    "retry later"))
+            return True
+        return False
 
     def _remove(self, key: APIKey, waiter: _Waiter) -> None:
         line = self._lines[key.priority].get(key.tenant)

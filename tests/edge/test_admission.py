@@ -63,7 +63,7 @@ async def test_full_queue_and_long_wait_answer_503_quickly():
     await asyncio.sleep(0)
     started = time.perf_counter()
     with pytest.raises(APIError) as e:
-        await adm.admit(key("b"))
+        await adm.admit(key("a"))          # its own tenant fills the queue: nothing to push out
     assert e.value.status == 503 and e.value.code == "queue_full"
     assert time.perf_counter() - started < 0.01
     for t in waiting:
@@ -157,3 +157,26 @@ async def test_inference_grpc_gets_resource_exhausted_when_shed(model_dir):
             running.cancel()
             queued.cancel()
             waiting.cancel()
+
+
+async def test_a_full_queue_makes_room_for_other_tenants_and_higher_classes():
+    adm = Admission(max_queue=4, max_wait=5)
+    adm.observe(0, 0)
+    burst = [asyncio.create_task(adm.admit(key("burst"))) for _ in range(4)]
+    await asyncio.sleep(0)
+    steady = asyncio.create_task(adm.admit(key("steady")))      # pushes out burst's newest
+    await asyncio.sleep(0)
+    with pytest.raises(APIError) as e:
+        await burst[-1]
+    assert e.value.code == "queue_full" and not steady.done()
+    vip = asyncio.create_task(adm.admit(key("vip", "high")))    # a higher class: in too
+    await asyncio.sleep(0)
+    with pytest.raises(APIError):
+        await burst[-2]
+    low = asyncio.create_task(adm.admit(key("late", "low")))    # a lower class: refused
+    await asyncio.sleep(0)
+    with pytest.raises(APIError):
+        await low
+    adm.observe(4, 0)
+    await asyncio.gather(burst[0], burst[1], steady, vip)
+    assert adm.queued == 0
