@@ -6,7 +6,10 @@ KV cache is full counts none), as the workers report it through the router's
 `ListWorkers` (read 10 times a second), minus this edge's requests in flight
 (admitted, not yet ended: counted here, exactly, from admission on, through
 their prefill) and minus the load the engines report beyond those (other edge
-replicas' requests). Otherwise it waits,
+replicas' requests). Reports lag a request's end by a reading or two, so the
+excess counts only as much as it held through the last half second: a lagging
+report would otherwise hold a free slot shut (a closed loop at capacity ran at
+a quarter of its rate). Otherwise it waits,
 in its key's priority class (high before normal before low) and, within a
 class, in its tenant's line: tenants take turns, so one tenant's burst
 queues behind its own requests, not in front of another tenant's steady
@@ -33,6 +36,7 @@ from .openai_protocol import APIError
 log = logging.getLogger("pdserve.edge")
 
 KV_FULL = 0.95                      # an engine this full takes nothing more
+EXCESS_WINDOW = 0.5                 # seconds a reported excess must hold to count
 
 
 @dataclass(slots=True)
@@ -76,6 +80,7 @@ class Admission:
         self.metrics = metrics
         self.capacity: float = float("inf")     # until the first reading
         self.others = 0                          # load on the pool that is not ours
+        self._excess: deque[tuple[float, int]] = deque()   # (when, load beyond ours)
         self.in_flight = 0                       # tickets not yet released
         self.draining = False
         self.queued = 0
@@ -86,12 +91,16 @@ class Admission:
     def room(self) -> float:
         return self.capacity - self.in_flight - self.others
 
-    def observe(self, capacity: float, load: int) -> None:
+    def observe(self, capacity: float, load: int, now: float | None = None) -> None:
         """A fresh reading of the pool. Its load counts our requests only once they
-        reach a decode engine, and lags a little: what exceeds our own count is
-        someone else's."""
+        reach a decode engine, and lags: what exceeds our own count through the
+        last EXCESS_WINDOW seconds is someone else's."""
+        now = time.monotonic() if now is None else now
         self.capacity = capacity
-        self.others = max(0, load - self.in_flight)
+        self._excess.append((now, max(0, load - self.in_flight)))
+        while self._excess[0][0] < now - EXCESS_WINDOW:
+            self._excess.popleft()
+        self.others = min(excess for _, excess in self._excess)
         self._dispatch()
 
     def _released(self) -> None:

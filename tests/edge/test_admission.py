@@ -44,11 +44,13 @@ async def test_queued_requests_go_by_class_then_tenants_in_turn():
 
 async def test_room_is_capacity_less_ours_less_the_load_beyond_ours():
     adm = Admission(max_queue=10, max_wait=5)
-    adm.observe(4, 0)
+    adm.observe(4, 0, now=0.0)
     mine = [await adm.admit(key("a")) for _ in range(2)]
-    adm.observe(4, 1)                   # one of ours reached the engine; none of others'
+    adm.observe(4, 1, now=0.1)          # one of ours reached the engine; none of others'
     assert adm.room == 2
-    adm.observe(4, 3)                   # the engine holds one more than we sent: another edge's
+    adm.observe(4, 3, now=0.2)          # one more than we sent: a lagging report, or
+    assert adm.room == 2                # another edge's; not counted until it holds...
+    adm.observe(4, 3, now=0.8)          # ...through half a second: another edge's
     assert adm.room == 1
     for t in mine:
         t.release()
