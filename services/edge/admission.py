@@ -5,11 +5,12 @@ decode engines' capacity (each one's `max_running_requests`; an engine whose
 KV cache is full counts none), as the workers report it through the router's
 `ListWorkers` (read 10 times a second), minus this edge's requests in flight
 (admitted, not yet ended: counted here, exactly, from admission on, through
-their prefill) and minus the load the engines report beyond those (other edge
-replicas' requests). Reports lag a request's end by a reading or two, so the
-excess counts only as much as it held through the last half second: a lagging
-report would otherwise hold a free slot shut (a closed loop at capacity ran at
-a quarter of its rate). Otherwise it waits,
+their prefill). The engines' reported load is not subtracted: it lags by up
+to a heartbeat (load records ride on KV-event batches, which short prompts do
+not produce), and the router's count of placements since is an upper bound
+that held free slots shut (a closed loop at capacity ran at 40 % of its
+rate). So with several edge replicas each admits up to the whole pool, and
+the engines' own queues take the excess (see the README). Otherwise it waits,
 in its key's priority class (high before normal before low) and, within a
 class, in its tenant's line: tenants take turns, so one tenant's burst
 queues behind its own requests, not in front of another tenant's steady
@@ -36,7 +37,6 @@ from .openai_protocol import APIError
 log = logging.getLogger("pdserve.edge")
 
 KV_FULL = 0.95                      # an engine this full takes nothing more
-EXCESS_WINDOW = 0.5                 # seconds a reported excess must hold to count
 
 
 @dataclass(slots=True)
@@ -59,16 +59,15 @@ class _Waiter:
     queued_at: float = field(default_factory=time.monotonic)
 
 
-def pool_reading(workers, decode_role: int) -> tuple[float, int]:
-    """(capacity, load) of the serving decode workers whose KV cache has room:
-    requests they run at once (inf: one reports no bound) and requests they hold.
-    No decode worker at all is not a full pool: requests go on, and the router
-    answers at once that no worker serves."""
+def pool_capacity(workers, decode_role: int) -> float:
+    """Requests the serving decode workers whose KV cache has room run at once
+    (inf: one reports no bound). No decode worker at all is not a full pool:
+    requests go on, and the router answers at once that no worker serves."""
     serving = [w for w in workers if w.serving and w.role == decode_role]
     decode = [w for w in serving if w.kv_usage < KV_FULL]
     if not serving or any(w.capacity == 0 for w in decode):
-        return float("inf"), sum(w.load for w in decode)
-    return sum(w.capacity for w in decode), sum(w.load for w in decode)
+        return float("inf")
+    return sum(w.capacity for w in decode)
 
 
 class Admission:
@@ -79,8 +78,6 @@ class Admission:
         self.max_wait = max_wait
         self.metrics = metrics
         self.capacity: float = float("inf")     # until the first reading
-        self.others = 0                          # load on the pool that is not ours
-        self._excess: deque[tuple[float, int]] = deque()   # (when, load beyond ours)
         self.in_flight = 0                       # tickets not yet released
         self.draining = False
         self.queued = 0
@@ -89,18 +86,11 @@ class Admission:
     # --- the pool's room -------------------------------------------------
     @property
     def room(self) -> float:
-        return self.capacity - self.in_flight - self.others
+        return self.capacity - self.in_flight
 
-    def observe(self, capacity: float, load: int, now: float | None = None) -> None:
-        """A fresh reading of the pool. Its load counts our requests only once they
-        reach a decode engine, and lags: what exceeds our own count through the
-        last EXCESS_WINDOW seconds is someone else's."""
-        now = time.monotonic() if now is None else now
+    def observe(self, capacity: float) -> None:
+        """A fresh reading of the pool's capacity."""
         self.capacity = capacity
-        self._excess.append((now, max(0, load - self.in_flight)))
-        while self._excess[0][0] < now - EXCESS_WINDOW:
-            self._excess.popleft()
-        self.others = min(excess for _, excess in self._excess)
         self._dispatch()
 
     def _released(self) -> None:

@@ -26,7 +26,7 @@ from pdserve.v1 import common_pb2
 from . import openai_protocol as oai
 from .metrics import EdgeMetrics
 from . import sse, websocket
-from .admission import Admission, pool_reading
+from .admission import Admission, pool_capacity
 from .events import render
 from .keys import APIKey, KeyRing
 from .openapi import SPEC
@@ -349,8 +349,8 @@ async def _read_pool(app: web.Application):
         while True:
             try:
                 workers = await app[ORCH].workers()
-                capacity, load = pool_reading(workers, common_pb2.WORKER_ROLE_DECODE)
-                app[ADMISSION].observe(capacity if cfg.admission else float("inf"), load)
+                capacity = pool_capacity(workers, common_pb2.WORKER_ROLE_DECODE)
+                app[ADMISSION].observe(capacity if cfg.admission else float("inf"))
             except grpc.aio.AioRpcError:
                 pass                # the router is away: Route will say so per request
             await asyncio.sleep(POOL_READ_SECONDS)

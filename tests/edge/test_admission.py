@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from services.edge.admission import Admission, pool_reading
+from services.edge.admission import Admission, pool_capacity
 from services.edge.keys import PRIORITIES, APIKey
 from services.edge.openai_protocol import APIError
 from pdserve.v1 import common_pb2, router_pb2
@@ -21,7 +21,7 @@ def key(tenant: str, priority: str = "normal") -> APIKey:
 
 async def test_queued_requests_go_by_class_then_tenants_in_turn():
     adm = Admission(max_queue=100, max_wait=5)
-    adm.observe(1, 0)                               # room for one request at a time
+    adm.observe(1)                               # room for one request at a time
     first = await adm.admit(key("x"))
     order = []
 
@@ -42,25 +42,22 @@ async def test_queued_requests_go_by_class_then_tenants_in_turn():
     assert adm.in_flight == 0
 
 
-async def test_room_is_capacity_less_ours_less_the_load_beyond_ours():
+async def test_room_is_the_capacity_less_our_requests_in_flight():
     adm = Admission(max_queue=10, max_wait=5)
-    adm.observe(4, 0, now=0.0)
-    mine = [await adm.admit(key("a")) for _ in range(2)]
-    adm.observe(4, 1, now=0.1)          # one of ours reached the engine; none of others'
-    assert adm.room == 2
-    adm.observe(4, 3, now=0.2)          # one more than we sent: a lagging report, or
-    assert adm.room == 2                # another edge's; not counted until it holds...
-    adm.observe(4, 3, now=0.8)          # ...through half a second: another edge's
+    adm.observe(4)
+    mine = [await adm.admit(key("a")) for _ in range(3)]
     assert adm.room == 1
+    adm.observe(2)                      # a worker left: room below zero, nothing admitted
+    assert adm.room == -1
     for t in mine:
         t.release()
         t.release()                     # twice is once
-    assert adm.in_flight == 0
+    assert adm.in_flight == 0 and adm.room == 2
 
 
 async def test_full_queue_and_long_wait_answer_503_quickly():
     adm = Admission(max_queue=2, max_wait=0.2)
-    adm.observe(0, 0)
+    adm.observe(0)
     waiting = [asyncio.create_task(adm.admit(key("a"))) for _ in range(2)]
     await asyncio.sleep(0)
     started = time.perf_counter()
@@ -77,7 +74,7 @@ async def test_full_queue_and_long_wait_answer_503_quickly():
 
 async def test_drain_refuses_the_queued_and_the_new_and_a_gone_caller_leaves_the_queue():
     adm = Admission(max_queue=10, max_wait=5)
-    adm.observe(0, 0)
+    adm.observe(0)
     gone = asyncio.create_task(adm.admit(key("a")))
     queued = asyncio.create_task(adm.admit(key("b")))
     await asyncio.sleep(0)
@@ -92,18 +89,17 @@ async def test_drain_refuses_the_queued_and_the_new_and_a_gone_caller_leaves_the
         await adm.admit(key("c"))
 
 
-def test_pool_reading_counts_serving_decode_workers_with_kv_room():
+def test_pool_capacity_counts_serving_decode_workers_with_kv_room():
     D, P = common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_PREFILL
 
-    def w(role=D, serving=True, load=0, capacity=4, kv=0.1):
-        return router_pb2.WorkerInfo(role=role, serving=serving, load=load, capacity=capacity,
-                                     kv_usage=kv)
-    assert pool_reading([w(load=1), w(load=4), w(role=P, load=0, capacity=100)], D) == (8, 5)
-    assert pool_reading([w(load=1), w(serving=False, load=2)], D) == (4, 1)
-    assert pool_reading([w(load=0, kv=0.97), w(load=3)], D) == (4, 3)   # a full KV cache
-    assert pool_reading([w(kv=0.99)], D) == (0, 0)
-    assert pool_reading([w(capacity=0, load=2)], D) == (float("inf"), 2)
-    assert pool_reading([], D) == (float("inf"), 0)      # no worker: the router says so
+    def w(role=D, serving=True, capacity=4, kv=0.1):
+        return router_pb2.WorkerInfo(role=role, serving=serving, capacity=capacity, kv_usage=kv)
+    assert pool_capacity([w(), w(), w(role=P, capacity=100)], D) == 8
+    assert pool_capacity([w(), w(serving=False)], D) == 4
+    assert pool_capacity([w(kv=0.97), w()], D) == 4              # a full KV cache counts none
+    assert pool_capacity([w(kv=0.99)], D) == 0
+    assert pool_capacity([w(capacity=0)], D) == float("inf")     # no bound reported
+    assert pool_capacity([], D) == float("inf")                  # no worker: the router says so
 
 
 async def test_the_edge_queues_past_the_engines_capacity_and_sheds_past_the_queue(model_dir):
@@ -163,7 +159,7 @@ async def test_inference_grpc_gets_resource_exhausted_when_shed(model_dir):
 
 async def test_a_full_queue_makes_room_for_other_tenants_and_higher_classes():
     adm = Admission(max_queue=4, max_wait=5)
-    adm.observe(0, 0)
+    adm.observe(0)
     burst = [asyncio.create_task(adm.admit(key("burst"))) for _ in range(4)]
     await asyncio.sleep(0)
     steady = asyncio.create_task(adm.admit(key("steady")))      # pushes out burst's newest
@@ -179,6 +175,6 @@ async def test_a_full_queue_makes_room_for_other_tenants_and_higher_classes():
     await asyncio.sleep(0)
     with pytest.raises(APIError):
         await low
-    adm.observe(4, 0)
+    adm.observe(4)
     await asyncio.gather(burst[0], burst[1], steady, vip)
     assert adm.queued == 0
