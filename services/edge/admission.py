@@ -37,6 +37,7 @@ from .openai_protocol import APIError
 log = logging.getLogger("pdserve.edge")
 
 KV_FULL = 0.95                      # an engine this full takes nothing more
+ACTIVE_SECONDS = 5.0                # a tenant that asked this recently shares the pool
 
 
 @dataclass(slots=True)
@@ -44,13 +45,14 @@ class Ticket:
     """One admitted request's hold on the pool; `release()` once it ends."""
 
     admission: "Admission"
+    tenant: str
     waited: float                   # seconds in the queue
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.admission._released()
+            self.admission._released(self.tenant)
 
 
 @dataclass(slots=True)
@@ -79,6 +81,8 @@ class Admission:
         self.metrics = metrics
         self.capacity: float = float("inf")     # until the first reading
         self.in_flight = 0                       # tickets not yet released
+        self._holding: dict[str, int] = {}       # tenant -> its tickets not yet released
+        self._seen: dict[str, float] = {}        # tenant -> when it last asked
         self.draining = False
         self.queued = 0
         self._lines: list[OrderedDict[str, deque[_Waiter]]] = [OrderedDict() for _ in range(3)]
@@ -93,9 +97,29 @@ class Admission:
         self.capacity = capacity
         self._dispatch()
 
-    def _released(self) -> None:
+    def _released(self, tenant: str) -> None:
         self.in_flight -= 1
+        self._holding[tenant] -= 1
         self._dispatch()
+
+    def _may_take(self, tenant: str) -> bool:
+        """Room for `tenant`: any free slot but the last, which goes only to a tenant
+        holding less than its share of the pool among the tenants active now. So
+        a tenant that keeps the pool full still leaves one slot free for another
+        tenant's next request, instead of making it wait for one to end."""
+        if self.room < 1:
+            return False
+        if self.room >= 2:
+            return True
+        now = time.monotonic()
+        for t in [t for t, at in self._seen.items() if now - at > ACTIVE_SECONDS]:
+            del self._seen[t]
+        active = max(1, len(self._seen))
+        return active == 1 or self._holding.get(tenant, 0) < self.capacity / active
+
+    def _take(self, tenant: str) -> None:
+        self.in_flight += 1
+        self._holding[tenant] = self._holding.get(tenant, 0) + 1
 
     # --- admitting ----------------------------------------------------------
     async def admit(self, key: APIKey) -> Ticket:
@@ -104,9 +128,10 @@ class Admission:
         if self.draining:
             self._reject("draining", "the server is shutting down; retry on another "
                          "replica")
-        if self.room >= 1 and not self.queued:
-            self.in_flight += 1
-            return self._ticket(0.0)
+        self._seen[key.tenant] = time.monotonic()
+        if not self.queued and self._may_take(key.tenant):
+            self._take(key.tenant)
+            return self._ticket(key, 0.0)
         if self.queued >= self.max_queue and not self._push_out(key):
             self._reject("queue_full", "the server is at capacity and its queue is full; "
                          "retry later")
@@ -114,7 +139,7 @@ class Admission:
         line = self._lines[key.priority].setdefault(key.tenant, deque())
         line.append(waiter)
         self.queued += 1
-        self._gauge()
+        self._dispatch()                    # the last slot may be this tenant's to take
         try:
             async with asyncio.timeout(self.max_wait):
                 refused = await waiter.future       # None: admitted; an APIError: drained
@@ -125,24 +150,28 @@ class Admission:
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() \
                     and waiter.future.result() is None:
-                self._released()                # admitted as the caller left: give it back
+                self._released(key.tenant)      # admitted as the caller left: give it back
             else:
                 self._remove(key, waiter)
             raise
         if refused is not None:
             raise refused
-        return self._ticket(time.monotonic() - waiter.queued_at)
+        return self._ticket(key, time.monotonic() - waiter.queued_at)
 
-    def _ticket(self, waited: float) -> Ticket:
+    def _ticket(self, key: APIKey, waited: float) -> Ticket:
         if self.metrics is not None:
             self.metrics.queue_wait.observe(waited)
-        return Ticket(self, waited)
+        return Ticket(self, key.tenant, waited)
 
     def _dispatch(self) -> None:
-        """Admit queued requests while there is room: by class, tenants in turn."""
+        """Admit queued requests while there is room: by class, tenants in turn
+        (a tenant the last slot is not for waits; the next one may take it)."""
         while self.room >= 1 and self.queued:
-            lines = next(lines for lines in self._lines if lines)
-            tenant, line = next(iter(lines.items()))
+            pick = next(((lines, tenant, line) for lines in self._lines
+                         for tenant, line in lines.items() if self._may_take(tenant)), None)
+            if pick is None:
+                break
+            lines, tenant, line = pick
             waiter = line.popleft()
             if line:
                 lines.move_to_end(tenant)       # the next tenant's turn
@@ -150,7 +179,7 @@ class Admission:
                 del lines[tenant]
             self.queued -= 1
             if not waiter.future.done():
-                self.in_flight += 1
+                self._take(tenant)
                 waiter.future.set_result(None)
         self._gauge()
 

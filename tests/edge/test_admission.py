@@ -175,6 +175,20 @@ async def test_a_full_queue_makes_room_for_other_tenants_and_higher_classes():
     await asyncio.sleep(0)
     with pytest.raises(APIError):
         await low
-    adm.observe(4)
+    adm.observe(5)                      # 4 waiting; the last slot stays for a 5th tenant
     await asyncio.gather(burst[0], burst[1], steady, vip)
     assert adm.queued == 0
+
+
+async def test_a_tenant_filling_the_pool_leaves_the_last_slot_to_another():
+    adm = Admission(max_queue=10, max_wait=5)
+    adm.observe(4)
+    await adm.admit(key("steady"))              # steady has been seen: two tenants share
+    burst = [await adm.admit(key("burst")) for _ in range(2)]
+    queued = asyncio.create_task(adm.admit(key("burst")))   # its 3rd: the last slot
+    await asyncio.sleep(0)
+    assert not queued.done() and adm.room == 1
+    steady = await asyncio.wait_for(adm.admit(key("steady")), 1)   # at once, no wait
+    assert steady.waited < 0.01 and not queued.done()
+    burst[0].release()                          # a slot ends: burst's turn again
+    await asyncio.wait_for(queued, 1)
