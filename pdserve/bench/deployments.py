@@ -37,6 +37,19 @@ def _below_ephemeral() -> range:
     return range(10000, max(10001, low - 1))
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have spent so far (gone ones: none)."""
+    import psutil
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now, below the ephemeral range, and not handed
     out before by this process."""

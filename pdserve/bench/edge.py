@@ -383,18 +383,6 @@ http {{
 
 # --- measuring one path ---
 
-def _cpu_seconds(pids: list[int]) -> float:
-    import psutil
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def _rss_mib(pids: list[int]) -> float:
     import psutil
     total = 0
@@ -485,11 +473,13 @@ def measure(name: str, st: Settings, port: int, model: str, tmp: Path, proxy: li
             source: list[int], source_url: str) -> dict:
     """Run the streams through one path; its figures (latencies in ms)."""
     import numpy as np
+
+    from .deployments import cpu_seconds
     warm_up(port, model)
     progress(f"{name}: {st.streams} streams x {st.max_tokens} tokens at {st.rate:g}/s")
-    cpu0, src0 = _cpu_seconds(proxy), _cpu_seconds(source)
+    cpu0, src0 = cpu_seconds(proxy), cpu_seconds(source)
     results, peak, wall = _run_clients(st, port, model, tmp, proxy, source_url)
-    cpu, src = _cpu_seconds(proxy) - cpu0, _cpu_seconds(source) - src0
+    cpu, src = cpu_seconds(proxy) - cpu0, cpu_seconds(source) - src0
     lat = np.concatenate([r["lat"] for r in results])
     errors = sum((Counter(r["errors"]) for r in results), Counter())
     tokens = int(len(lat))

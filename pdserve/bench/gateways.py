@@ -11,22 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
-import psutil
 
-from .deployments import Hardware, PdserveStack, SmgGateway
+from .deployments import Hardware, PdserveStack, SmgGateway, cpu_seconds
 from .load import RunResult, latency_figures, metrics, progress, run, warm_up
 from .workloads import random_1024
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps: int,
@@ -41,10 +29,10 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
         for name in order:
             urls, pids = gateways[name]
             progress(f"{name}: rep {rep + 1}/{reps}, {n} requests at {rate}/s")
-            cpu = _cpu_seconds(pids)
+            cpu = cpu_seconds(pids)
             result = await run(workload, urls, model, rate, seed, chat=True)
             g = got[name]
-            g["cpu"] += _cpu_seconds(pids) - cpu
+            g["cpu"] += cpu_seconds(pids) - cpu
             g["requests"] += result.requests
             g["outputs"] += result.outputs
             g["duration"] += result.duration_s
