@@ -1,7 +1,8 @@
 """pdserve's router and edge in front of stock vLLM engines.
 
-Two unmodified `python -m vllm.entrypoints.grpc_server` engines (vLLM's own
-NixlConnector, no pdserve code inside) are named on the router's command line;
+Two `python -m vllm.entrypoints.grpc_server` engines (vLLM's servicer, scheduler
+and NixlConnector; pdserve's connector module is loaded only so that NIXL's
+progress thread does not busy-poll a core each) are named on the router's command line;
 the router finds them by probing vLLM's engine protocol, and pdserve's edge
 runs prefill on one and decode on the other. The streamed text equals a single
 engine's, and the decode engine computed only the last prompt token (prefix
@@ -17,12 +18,18 @@ import pytest
 
 from cases import CASES, MAX_TOKENS
 from conftest import _wait_http
+from pdserve.config import KVTransferConfig
 from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
+from transfer.connector import engine_kv_config
 
 
 def _stock_engine(model_dir, role: str, core: int, side_channel: int) -> tuple[Proc, str]:
     port = free_port()
-    kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    # vLLM's NixlConnector through pdserve's connector module (as the issue's SMG runs
+    # did): stock NIXL's progress thread busy-polls a core per engine, and two of them
+    # held both cores of the CI box at 100 % system time (the edge could not start).
+    kv = engine_kv_config("prefill" if role == "kv_producer" else "decode",
+                          KVTransferConfig(side_channel_port=side_channel))
     proc = Proc([sys.executable, "-m", "vllm.entrypoints.grpc_server", "--model", str(model_dir),
                  "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
                  "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching",
