@@ -134,7 +134,9 @@ async def _serve(request: web.Request, ws: web.WebSocketResponse) -> None:
             if msg.get("type") != "cancel":
                 raise Refused(WSCloseCode.POLICY_VIOLATION,
                               'after the request only {"type":"cancel"} is understood')
-            streams.cancel(sid, "WebSocket cancel")
+            # Here or on the replica that runs it (a resumed stream may live elsewhere).
+            with contextlib.suppress(StreamGone):
+                await streams.cancel_anywhere(sid, "WebSocket cancel", request[CALLER].key_id)
     except Refused as e:
         if e.code == WSCloseCode.OK:
             return                      # the client closed: the resume window decides
