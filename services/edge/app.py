@@ -343,7 +343,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _read_pool(app: web.Application):
-    """Keep admission's view of the decode pool's room fresh (10 readings a second)."""
+    """Keep admission's view of the decode pool's capacity fresh: 10 readings a
+    second while requests wait for room, one a second otherwise (each reading is
+    an RPC to the router, and the capacity changes only as workers come and go)."""
     cfg = app[CONFIG]
     async def read() -> None:
         while True:
@@ -353,7 +355,7 @@ async def _read_pool(app: web.Application):
                 app[ADMISSION].observe(capacity if cfg.admission else float("inf"))
             except grpc.aio.AioRpcError:
                 pass                # the router is away: Route will say so per request
-            await asyncio.sleep(POOL_READ_SECONDS)
+            await asyncio.sleep(POOL_READ_SECONDS if app[ADMISSION].queued else 1.0)
     task = asyncio.create_task(read(), name="pool-room")
     yield
     task.cancel()
