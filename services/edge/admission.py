@@ -3,9 +3,9 @@
 A request is admitted when the decode pool has room for it: the serving
 decode engines' capacity (each one's `max_running_requests`; an engine whose
 KV cache is full counts none), as the workers report it through the router's
-`ListWorkers` (read once a second, 10 times while requests wait), minus this edge's requests in flight
-(admitted, not yet ended: counted here, exactly, from admission on, through
-their prefill). The engines' reported load is not subtracted: it lags by up
+`ListWorkers` (read once a second, 10 times a second while requests wait),
+minus this edge's requests in flight (admitted, not yet ended: counted here,
+exactly, from admission on, through their prefill). The engines' reported load is not subtracted: it lags by up
 to a heartbeat (load records ride on KV-event batches, which short prompts do
 not produce), and the router's count of placements since is an upper bound
 that held free slots shut (a closed loop at capacity ran at 40 % of its
