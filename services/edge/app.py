@@ -48,7 +48,7 @@ CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came wi
 LIMITS = web.AppKey("limits", RateLimits)
 ADMISSION = web.AppKey("admission", Admission)
 STREAM_ID = "x-pdserve-stream-id"
-POOL_READ_SECONDS = 0.1
+POOL_READ_SECONDS = (1.0, 0.1)                  # admission's readings: idle, requests waiting
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -346,16 +346,14 @@ async def _read_pool(app: web.Application):
     """Keep admission's view of the decode pool's capacity fresh: 10 readings a
     second while requests wait for room, one a second otherwise (each reading is
     an RPC to the router, and the capacity changes only as workers come and go)."""
-    cfg = app[CONFIG]
     async def read() -> None:
         while True:
             try:
                 workers = await app[ORCH].workers()
-                capacity = pool_capacity(workers, common_pb2.WORKER_ROLE_DECODE)
-                app[ADMISSION].observe(capacity if cfg.admission else float("inf"))
+                app[ADMISSION].observe(pool_capacity(workers, common_pb2.WORKER_ROLE_DECODE))
             except grpc.aio.AioRpcError:
                 pass                # the router is away: Route will say so per request
-            await asyncio.sleep(POOL_READ_SECONDS if app[ADMISSION].queued else 1.0)
+            await asyncio.sleep(POOL_READ_SECONDS[bool(app[ADMISSION].queued)])
     task = asyncio.create_task(read(), name="pool-room")
     yield
     task.cancel()
@@ -368,7 +366,8 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app[CONFIG], app[ORCH], app[ENCODER], app[METRICS] = cfg, orchestrator, encoder, EdgeMetrics()
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[ADMISSION] = Admission(cfg.admission_queue, cfg.admission_wait_seconds, app[METRICS])
-    app.cleanup_ctx.append(_read_pool)
+    if cfg.admission:                   # off: capacity stays unbounded, nothing to read
+        app.cleanup_ctx.append(_read_pool)
 
     def ended(live: LiveStream) -> None:
         app[METRICS].streams_open.dec()

@@ -398,19 +398,3 @@ def completion_response(
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     usage = (prompt_tokens, completion_tokens)
     return _envelope("text_completion", id, model, created, [choice], usage)
-
-
-def sse_event(data: dict | str, *, event_id: str | None = None) -> bytes:
-    """Frame one server-sent event; a str (e.g. "[DONE]") is sent verbatim."""
-    if isinstance(data, str):
-        payload = data
-    else:
-        payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    # A raw line break would end the field early and corrupt the stream framing.
-    for field in (payload, event_id or ""):
-        if "\n" in field or "\r" in field:
-            raise ValueError("SSE fields must not contain line breaks")
-    head = "" if event_id is None else f"id: {event_id}\n"
-    # "replace": a lone surrogate from a broken detokenisation must not kill
-    # the stream mid-response.
-    return f"{head}data: {payload}\n\n".encode("utf-8", "replace")

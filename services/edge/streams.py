@@ -55,8 +55,12 @@ class LiveStream:
     error: oai.APIError | None = None
     ended: str = ""                     # finished | cancelled | abandoned | failed
     cancel_reason: str = ""
-    owner: str = ""                     # the key id that started it ("" open)
     _abandon: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def owner(self) -> str:
+        """The key id that started it ("" open): its log's."""
+        return self.log.owner
 
 
 class Streams:
@@ -78,10 +82,10 @@ class Streams:
         """Run the generation in its own task; its events go to a new log that only
         `owner` (a key id) may read or cancel."""
         sid = new_stream_id()
-        live = LiveStream(sid, self.store.create(sid, owner), generation, owner=owner)
+        live = LiveStream(sid, self.store.create(sid, owner), generation)
         live.task = asyncio.create_task(self._produce(live, payloads), name=f"stream-{sid}")
         # A task cancelled before its first step never runs its body: end it here then.
-        live.task.add_done_callback(lambda task: self._ended(live, payloads))
+        live.task.add_done_callback(lambda task: self._ended(live))
         self.live[sid] = live
         self.on_start()
         return live
@@ -99,27 +103,27 @@ class Streams:
             self.store.append(live.log, [error_payload(e)])
         except asyncio.CancelledError:
             # Ours alone: nothing awaits this task, so the cancellation ends here.
-            live.ended = live.ended or "cancelled"
-            self.store.append(live.log, [error_payload(oai.APIError(
-                499, f"the stream was cancelled ({live.cancel_reason or 'cancelled'})",
-                type="cancelled", code="stream_cancelled"))])
+            self._cancelled(live)
         except Exception as e:  # noqa: BLE001 (a bug must still end the stream cleanly)
             log.exception("stream %s failed", live.stream_id)
             live.ended = "failed"
             self.store.append(live.log, [error_payload(oai.APIError(
                 500, f"internal error: {type(e).__name__}", type="internal_error"))])
         finally:
-            self._ended(live, payloads)
+            self._ended(live)
 
-    def _ended(self, live: LiveStream, payloads) -> None:
+    def _cancelled(self, live: LiveStream) -> None:
+        live.ended = live.ended or "cancelled"          # "abandoned" stays
+        self.store.append(live.log, [error_payload(oai.APIError(
+            499, f"the stream was cancelled ({live.cancel_reason or 'cancelled'})",
+            type="cancelled", code="stream_cancelled"))])
+
+    def _ended(self, live: LiveStream) -> None:
         """Close the log and account for the end, once."""
         if live.log.finished:
             return
         if not live.ended:                      # cancelled before it ever ran
-            live.ended = "cancelled"
-            self.store.append(live.log, [error_payload(oai.APIError(
-                499, f"the stream was cancelled ({live.cancel_reason or 'cancelled'})",
-                type="cancelled", code="stream_cancelled"))])
+            self._cancelled(live)
         self.store.append(live.log, [DONE])
         self.store.finish(live.log)
         if live._abandon is not None:

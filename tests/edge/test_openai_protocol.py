@@ -8,6 +8,9 @@ import re
 
 import pytest
 
+from services.edge.events import payload
+from services.edge.sse import frame, plain_frame
+from services.edge.stream_log import Event
 from services.edge.openai_protocol import (
     APIError,
     CompletionRequest,
@@ -19,7 +22,6 @@ from services.edge.openai_protocol import (
     completion_id,
     completion_response,
     parse_request,
-    sse_event,
     usage_chunk,
 )
 
@@ -624,32 +626,28 @@ def test_builders_validate_against_the_openai_sdk_types():
 
 
 @pytest.mark.parametrize(
-    ("data", "event_id", "expected"),
+    ("data", "seq", "expected"),
     [
-        ("[DONE]", None, b"data: [DONE]\n\n"),
-        ({"a": 1, "b": [1, None]}, None, b'data: {"a":1,"b":[1,null]}\n\n'),
-        ({"a": "x"}, "7", b'id: 7\ndata: {"a":"x"}\n\n'),
-        ("[DONE]", "chatcmpl-1", b"id: chatcmpl-1\ndata: [DONE]\n\n"),
+        ("[DONE]", 1, b"id: 1\ndata: [DONE]\n\n"),
+        ({"a": 1, "b": [1, None]}, 2, b'id: 2\ndata: {"a":1,"b":[1,null]}\n\n'),
         # Line breaks inside JSON strings are escaped, so they cannot break framing.
-        ({"t": "a\nb\r"}, None, b'data: {"t":"a\\nb\\r"}\n\n'),
-        ({"t": "é✓"}, None, 'data: {"t":"é✓"}\n\n'.encode()),
+        ({"t": "a\nb\r"}, 3, b'id: 3\ndata: {"t":"a\\nb\\r"}\n\n'),
+        # Payloads are ASCII JSON: any text, even a lone surrogate, is a valid escape.
+        ({"t": "é✓\ud800"}, 4, b'id: 4\ndata: {"t":"\\u00e9\\u2713\\ud800"}\n\n'),
     ],
 )
-def test_sse_event(data, event_id, expected):
-    assert sse_event(data, event_id=event_id) == expected
+def test_sse_frames(data, seq, expected):
+    event = Event(seq, data if isinstance(data, str) else payload(data))
+    assert frame([event]) == expected
+    assert plain_frame([event]) == expected.split(b"\n", 1)[1]       # no id: line
 
 
-def test_sse_event_round_trips_a_chunk():
+def test_sse_frame_round_trips_a_chunk():
     chunk = chat_chunk("chatcmpl-1", "m", 1, content="hi")
-    frame = sse_event(chunk)
-    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
-    assert json.loads(frame[len(b"data: ") : -2]) == chunk
-
-
-@pytest.mark.parametrize(("data", "event_id"), [("a\nb", None), ("x", "1\n2"), ("x", "1\r")])
-def test_sse_event_rejects_line_breaks(data, event_id):
-    with pytest.raises(ValueError):
-        sse_event(data, event_id=event_id)
+    raw = frame([Event(1, payload(chunk))])
+    assert raw.startswith(b"id: 1\ndata: ") and raw.endswith(b"\n\n")
+    assert json.loads(raw[len(b"id: 1\ndata: "):-2]) == chunk
+    assert frame([]) == b": keepalive\n\n"
 
 
 # --- fuzz ----------------------------------------------------------------------
