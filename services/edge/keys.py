@@ -17,7 +17,6 @@ first 12 hex digits of its digest.
 from __future__ import annotations
 
 import hashlib
-import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,13 +86,9 @@ class KeyRing:
         """The key `presented` is, or None. Open: everyone is OPEN."""
         if self.open:
             return OPEN
-        digest = _digest(presented)
-        key = self._keys.get(digest)
-        # The dict compared digests already; compare_digest keeps the final
-        # equality constant-time too.
-        if key is None or not hmac.compare_digest(digest.hex()[:12], key.key_id):
-            return None
-        return key
+        # A lookup by digest: what the presented key shares with a real one
+        # tells the comparison nothing (see the module docstring).
+        return self._keys.get(_digest(presented))
 
     def from_header(self, authorization: str | None) -> APIKey | None:
         """The key an `Authorization: Bearer KEY` header carries, or None."""
