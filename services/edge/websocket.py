@@ -28,6 +28,7 @@ import weakref
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from . import openai_protocol as oai
+from .sse import within_stall
 from .stream_log import DONE, BadPosition, Event, EventsGone, StreamGone
 
 log = logging.getLogger("pdserve.edge")
@@ -156,14 +157,10 @@ async def _forward(request: web.Request, ws: web.WebSocketResponse, reader,
     async with contextlib.aclosing(reader) as batches:
         async for batch in batches:
             try:
-                async with asyncio.timeout(stall_seconds):
-                    for frame in _frames(batch):
-                        await ws.send_str(frame)
-            except TimeoutError:
-                request.app[METRICS].streams_cut.labels("ws").inc()
-                if request.transport is not None:
-                    request.transport.abort()
-                return
+                for frame in _frames(batch):
+                    if not await within_stall(request, ws.send_str(frame), stall_seconds):
+                        request.app[METRICS].streams_cut.labels("ws").inc()
+                        return
             except ConnectionResetError:
                 return
 
