@@ -5,11 +5,11 @@ decode engines' capacity (each one's `max_running_requests`; an engine whose
 KV cache is full counts none), as the workers report it through the router's
 `ListWorkers` (read once a second, 10 times a second while requests wait),
 minus this edge's requests in flight (admitted, not yet ended: counted here,
-exactly, from admission on, through their prefill). The engines' reported load is not subtracted: it lags by up
-to a heartbeat (load records ride on KV-event batches, which short prompts do
-not produce), and the router's count of placements since is an upper bound
-that held free slots shut (a closed loop at capacity ran at 40 % of its
-rate). So with several edge replicas each admits up to the whole pool, and
+exactly, from admission on, through their prefill). The engines' reported
+load is not subtracted: it lags by up to a heartbeat (load records ride on
+KV-event batches, which short prompts do not produce), and the router's count
+of placements since is an upper bound that held free slots shut (a closed
+loop at capacity ran at 40 % of its rate). So with several edge replicas each admits up to the whole pool, and
 the engines' own queues take the excess (see the README). Otherwise it waits,
 in its key's priority class (high before normal before low) and, within a
 class, in its tenant's line: tenants take turns, so one tenant's burst
@@ -26,15 +26,12 @@ nothing more.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .keys import APIKey
 from .openai_protocol import APIError
-
-log = logging.getLogger("pdserve.edge")
 
 KV_FULL = 0.95                      # an engine this full takes nothing more
 ACTIVE_SECONDS = 5.0                # a tenant that asked this recently shares the pool
