@@ -66,9 +66,12 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
 
 
 # The edge's admission and stream flags, which `up` passes to its edge unchanged.
-EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queue", "admission_wait_seconds", "drain_seconds",
+EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queue",
+              "admission_wait_seconds", "drain_seconds",
               "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
-              "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds")
+              "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds",
+              "prefill_timeout_seconds", "prefill_attempts", "decode_stall_seconds",
+              "decode_first_token_seconds", "max_migrations")
 
 
 def _add_edge_flags(p: argparse.ArgumentParser) -> None:
@@ -103,6 +106,21 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                    help="a reader whose writes are blocked this long is cut off")
     g.add_argument("--sse-keepalive-seconds", type=float, default=d.sse_keepalive_seconds,
                    help="an idle SSE stream gets a comment line this often")
+    g = p.add_argument_group("faults (edge)")
+    g.add_argument("--prefill-timeout-seconds", type=float, default=d.prefill_timeout_seconds,
+                   help="a prefill leg slower than this is aborted and tried on another "
+                        "prefill worker")
+    g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts,
+                   help="prefill workers tried for one request before the decode worker "
+                        "prefills locally")
+    g.add_argument("--decode-stall-seconds", type=float, default=d.decode_stall_seconds,
+                   help="a decode worker that sends no token for this long is left: the "
+                        "generation moves to another one")
+    g.add_argument("--decode-first-token-seconds", type=float,
+                   default=d.decode_first_token_seconds,
+                   help="the same, before a decode leg's first token")
+    g.add_argument("--max-migrations", type=int, default=d.max_migrations,
+                   help="moves to another decode worker per generation before it fails")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:

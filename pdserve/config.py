@@ -155,6 +155,12 @@ class EdgeConfig:
     stream_max_events: int = 4096
     stream_stall_seconds: float = 10.0   # a reader blocked this long is cut off
     sse_keepalive_seconds: float = 15.0
+    # Faults (services/edge/generation.py): a failing worker costs a retry, not a stream.
+    prefill_timeout_seconds: float = 30.0   # a slower prefill is tried on another worker
+    prefill_attempts: int = 2               # prefill workers tried before local prefill
+    decode_stall_seconds: float = 5.0       # a decode silent this long moves elsewhere
+    decode_first_token_seconds: float = 30.0  # ... before its first token
+    max_migrations: int = 3                 # moves per generation before it fails
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -164,8 +170,8 @@ class EdgeConfig:
                              f"got {self.stream_store!r}")
         for name in ("stream_resume_seconds", "stream_ttl_seconds", "stream_stall_seconds",
                      "sse_keepalive_seconds", "stream_max_events", "admission_wait_seconds",
-                     "max_request_bytes",
-                     "drain_seconds"):
+                     "max_request_bytes", "drain_seconds", "prefill_timeout_seconds",
+                     "prefill_attempts", "decode_stall_seconds", "decode_first_token_seconds"):
             _check_positive(name, getattr(self, name))
         _check_port("port", self.port)
         _check_port("grpc_port", self.grpc_port)
@@ -173,6 +179,8 @@ class EdgeConfig:
         if self.min_prefill_workers < 0 or self.min_decode_workers < 1:
             raise ValueError("min_prefill_workers must be >= 0 and min_decode_workers >= 1")
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
+        if self.max_migrations < 0:
+            raise ValueError("max_migrations must be >= 0")
 
     @property
     def name(self) -> str:

@@ -31,7 +31,8 @@ from .events import render
 from .keys import APIKey, KeyRing
 from .openapi import SPEC
 from .limits import RateLimits
-from .orchestrator import Generation, GenerationStream, Orchestrator
+from .generation import Generation, GenerationStream
+from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
 from .stream_log import BadPosition, EventsGone, StreamGone
 from .streams import LiveStream, Streams, open_store
@@ -48,6 +49,7 @@ CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came wi
 LIMITS = web.AppKey("limits", RateLimits)
 ADMISSION = web.AppKey("admission", Admission)
 STREAM_ID = "x-pdserve-stream-id"
+TIMEOUT_HEADER = "x-pdserve-timeout-ms"
 POOL_READ_SECONDS = (1.0, 0.1)                  # admission's readings: idle, requests waiting
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -113,6 +115,18 @@ def _session_key(request: web.Request, req: oai.CompletionRequest) -> str:
     return header or req.session_id or req.user or ""
 
 
+def _budget(request: web.Request, cfg: EdgeConfig) -> float:
+    """The request's time budget in seconds: the `x-pdserve-timeout-ms` header, at most
+    the edge's request timeout. Every hop's gRPC deadline comes from it."""
+    raw = request.headers.get(TIMEOUT_HEADER, "").strip()
+    if not raw:
+        return cfg.request_timeout_seconds
+    if not raw.isdigit() or not 0 < int(raw) < 10**9:
+        raise oai.APIError(400, f"{TIMEOUT_HEADER} must be a positive number of "
+                           f"milliseconds, got {raw[:40]!r}", param=TIMEOUT_HEADER)
+    return min(int(raw) / 1000, cfg.request_timeout_seconds)
+
+
 async def begin(request: web.Request, kind: oai.Kind, raw: bytes
                 ) -> tuple[oai.CompletionRequest, GenerationStream]:
     """Validate, tokenize, route and prefill one request (HTTP or WebSocket); raises
@@ -121,13 +135,14 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
     started = time.perf_counter()
     rid = oai.completion_id(kind)
     try:
+        deadline = time.monotonic() + _budget(request, cfg)
         req = oai.parse_request(kind, raw, {cfg.name})
         ids = request.app[ENCODER].encode(req)
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
         rate_headers = request.app[LIMITS].take(request[CALLER], len(ids) + max_tokens)
         gen = Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
                          sampling=_sampling(req.sampling, max_tokens),
-                         session_id=_session_key(request, req))
+                         session_id=_session_key(request, req), deadline=deadline)
         stream = await place(request.app, request[CALLER], gen, started)
     except oai.APIError as e:
         metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
@@ -157,6 +172,7 @@ def admitted(app: web.Application, stream: GenerationStream, started: float) -> 
     stream.stats["started"] = started
     if stream.stats.get("prefill_fallback"):
         metrics.prefill_fallbacks.labels(cfg.name).inc()
+    metrics.prefill_failovers.labels(cfg.name).inc(stream.stats.get("prefill_failovers", 0))
     metrics.prompt_tokens.labels(cfg.name).inc(len(stream.gen.prompt_token_ids))
     metrics.placements.labels(cfg.name, stream.stats["placement"]).inc()
     metrics.running.labels(cfg.name).inc()
@@ -202,6 +218,9 @@ def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
     stream.close()                  # a lease the decode never pulled ends now
     if stream.stats.get("pull_refused"):
         metrics.prefill_fallbacks.labels(cfg.name).inc()
+    for ms in stream.migrations:
+        metrics.migrations.labels(cfg.name).inc()
+        metrics.migration_seconds.labels(cfg.name).observe(ms / 1000)
     metrics.running.labels(cfg.name).dec()
     metrics.generation_tokens.labels(cfg.name).inc(stream.completion_tokens)
     metrics.kv_external_tokens.labels(cfg.name).inc(stream.stats.get("decode_external_tokens", 0))
@@ -209,9 +228,9 @@ def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
     metrics.e2e.labels(cfg.name, stream.path).observe(time.perf_counter() - started)
     if stream.first_token_at is not None:
         metrics.ttft.labels(cfg.name, stream.path).observe(stream.first_token_at - started)
-    log.info("request %s done: path=%s prompt=%d completion=%d finish=%s %.0f ms",
+    log.info("request %s done: path=%s prompt=%d completion=%d finish=%s moves=%d %.0f ms",
              stream.gen.request_id, stream.path, len(stream.gen.prompt_token_ids),
-             stream.completion_tokens, stream.finish_reason,
+             stream.completion_tokens, stream.finish_reason, len(stream.migrations),
              (time.perf_counter() - started) * 1000)
 
 

@@ -12,7 +12,7 @@ import time
 from typing import AsyncIterator
 
 from . import openai_protocol as oai
-from .orchestrator import GenerationStream
+from .generation import GenerationStream
 
 
 def payload(obj: dict) -> str:

@@ -22,7 +22,7 @@ from pdserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from .events import render_inference
 from .keys import APIKey
 from .openai_protocol import APIError, check_context
-from .orchestrator import Generation
+from .generation import Generation
 from .prompts import PromptEncoder
 from .stream_log import DONE, BadPosition, EventsGone, StreamGone
 
@@ -67,7 +67,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.app = app
         self.running: dict[str, str] = {}           # request id -> its stream id
 
-    def _prepare(self, request: inference_pb2.GenerateRequest) -> Generation:
+    def _prepare(self, request: inference_pb2.GenerateRequest, context) -> Generation:
         if request.model and request.model != self.cfg.name:
             raise APIError(404, f"model {request.model!r} is not served here")
         which = request.WhichOneof("input")
@@ -84,9 +84,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         sampling.CopyFrom(request.sampling)
         sampling.max_tokens = check_context(len(ids), request.sampling.max_tokens or None,
                                             self.cfg.max_model_len)
+        # The caller's own gRPC deadline is the request's budget on every hop.
+        left = context.time_remaining()
+        budget = min(left if left is not None else float("inf"),
+                     self.cfg.request_timeout_seconds)
         return Generation(request_id=request.request_id or f"inf-{uuid.uuid4().hex}",
                           model=self.cfg.name, prompt_token_ids=ids, sampling=sampling,
-                          session_id=request.session_id)
+                          session_id=request.session_id, deadline=time.monotonic() + budget)
 
     async def _key(self, context) -> APIKey:
         """The caller's key, from the `authorization` metadata (`Bearer KEY`)."""
@@ -116,7 +120,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return
         started = time.perf_counter()
         try:
-            gen = self._prepare(request)
+            gen = self._prepare(request, context)
             if gen.request_id in self.running:
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                     f"request {gen.request_id} is already running")

@@ -34,6 +34,15 @@ class EdgeMetrics:
         self.prefill_fallbacks = Counter(
             "pdserve_prefill_fallbacks", "Requests prefilled locally because remote prefill "
             "failed", ["model_name"], registry=r)
+        self.prefill_failovers = Counter(
+            "pdserve_prefill_failovers", "Prefill legs retried on another prefill worker",
+            ["model_name"], registry=r)
+        self.migrations = Counter(
+            "pdserve_migrations", "Generations moved to another decode worker mid-stream "
+            "(its worker died, stalled or drained)", ["model_name"], registry=r)
+        self.migration_seconds = Histogram(
+            "pdserve_migration_seconds", "From a decode leg's failure to the next leg placed",
+            ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_length = Gauge("pdserve_queue_length", "Requests waiting for admission",
                                   registry=r)
         self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time each admitted request "

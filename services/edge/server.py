@@ -12,16 +12,27 @@ from pdserve.v1 import inference_pb2_grpc
 
 from .app import ADMISSION, STREAMS, build_app
 from .inference import InferenceService
+from .generation import Resilience
 from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
 
 log = logging.getLogger("pdserve.edge")
 
 
+def resilience(cfg: EdgeConfig) -> Resilience:
+    """The edge's fault settings, as generations use them."""
+    return Resilience(prefill_timeout=cfg.prefill_timeout_seconds,
+                      prefill_attempts=cfg.prefill_attempts,
+                      stall_seconds=cfg.decode_stall_seconds,
+                      first_token_seconds=cfg.decode_first_token_seconds,
+                      max_migrations=cfg.max_migrations)
+
+
 async def serve(cfg: EdgeConfig) -> None:
     """Serve HTTP on cfg.host:cfg.port until signalled; streams in flight get 30 s to finish."""
     encoder = PromptEncoder(cfg.model)
-    orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer)
+    orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer,
+                                resilience(cfg))
     app = build_app(cfg, orchestrator, encoder)
     inference = InferenceService(cfg, encoder, app)
     grpc_server = Server(cfg.host, cfg.grpc_port,

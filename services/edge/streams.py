@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 from . import openai_protocol as oai
 from .events import error_payload
-from .orchestrator import GenerationStream
+from .generation import GenerationStream
 from .stream_log import DONE, Event, MemoryStreams, StreamLog, StreamStore
 
 log = logging.getLogger("pdserve.edge")

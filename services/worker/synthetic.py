@@ -7,7 +7,9 @@ setting the pace. Each chunk's token ids spell, in the model's own tokenizer,
 the text at the far end knows how long the token took to arrive (every
 process on one machine shares that clock). `Abort` and cancellation stop a
 stream at once; `GetLoads` reports the streams running, so "the engine's
-running count dropped to 0" is observable just as on a real worker.
+running count dropped to 0" is observable just as on a real worker. For fault
+tests it can be frozen (its streams stop sending, as under SIGSTOP) and it
+remembers what each request asked (`requests`: id -> prompt ids, max_tokens).
 
     python -m services.worker.synthetic --model models/tiny-llama --port 50071 --rate 20
 """
@@ -50,6 +52,16 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.max_model_len = max_model_len
         self.running: dict[str, asyncio.Task] = {}
         self.generated = 0                      # chunks sent, all streams
+        self.requests: dict[str, tuple[list[int], int]] = {}
+        self._thawed = asyncio.Event()
+        self._thawed.set()
+
+    def freeze(self) -> None:
+        """Stop every stream sending (calls stay open), as a stopped process would."""
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        self._thawed.set()
 
     def _ids(self) -> list[int]:
         return self.tokenizer.encode(stamp_text(), add_special_tokens=False)
@@ -59,6 +71,7 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         n = request.sampling_params.max_tokens if request.sampling_params.HasField(
             "max_tokens") else 16
         prompt = len(request.tokenized.input_ids)
+        self.requests[rid] = (list(request.tokenized.input_ids), n)
         self.running[rid] = asyncio.current_task()
         start, out = time.monotonic(), []
         try:
@@ -66,6 +79,7 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
                 delay = start + (k + 1) * self.period - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                await self._thawed.wait()
                 ids = self._ids()
                 out.extend(ids)
                 self.generated += 1

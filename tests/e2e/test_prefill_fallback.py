@@ -1,4 +1,6 @@
-"""A prefill worker that cannot be reached degrades the request to local prefill."""
+"""A prefill worker that cannot be reached is tried no more for that request: the
+next prefill worker takes it (failover), and when none is left the decode worker
+prefills locally (fallback). The client sees the same text either way."""
 from __future__ import annotations
 
 from transformers import AutoTokenizer
@@ -7,23 +9,30 @@ from cases import CASES, MAX_TOKENS
 from pdserve.config import RouterConfig
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.edge.orchestrator import Generation, Orchestrator
+from services.edge.generation import Generation
+from services.edge.orchestrator import Orchestrator
 from services.router.server import RouterService
 from support import free_port
 
 
-async def test_unreachable_prefill_falls_back_to_local_prefill(stack, reference, model_dir):
-    # A router of our own that knows the stack's real decode worker and a
-    # prefill worker whose address nothing listens on.
+async def _router(stack, prefills: list[tuple[str, str]]):
+    """A router of our own that knows the stack's real decode worker and `prefills`."""
     service = RouterService(RouterConfig(port=0))
     server = Server("127.0.0.1", 0, lambda s: router_pb2_grpc.add_RouterServicer_to_server(
         service, s), ["pdserve.v1.Router"])
     await server.start()
     for wid, role, address in (
-            ("dead-prefill", common_pb2.WORKER_ROLE_PREFILL, f"127.0.0.1:{free_port()}"),
+            *((wid, common_pb2.WORKER_ROLE_PREFILL, address) for wid, address in prefills),
             ("real-decode", common_pb2.WORKER_ROLE_DECODE, stack.decode)):
         await service.Register(router_pb2.RegisterRequest(worker=router_pb2.WorkerInfo(
             worker_id=wid, role=role, address=address, model=stack.model, serving=True)), None)
+    return server
+
+
+async def test_unreachable_prefill_falls_back_to_local_prefill(stack, reference, model_dir):
+    # Two prefill workers nothing listens on: both are tried, then local prefill.
+    server = await _router(stack, [("dead-prefill-0", f"127.0.0.1:{free_port()}"),
+                                   ("dead-prefill-1", f"127.0.0.1:{free_port()}")])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     orchestrator = Orchestrator(f"127.0.0.1:{server.port}", request_timeout=120,
                                 tokenizer=tokenizer)
@@ -35,10 +44,36 @@ async def test_unreachable_prefill_falls_back_to_local_prefill(stack, reference,
             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                ignore_eos=True)))
         assert stream.path == "local" and stream.stats["prefill_fallback"]
-        assert orchestrator.prefill_fallbacks == 1
+        assert orchestrator.prefill_fallbacks == 1 and orchestrator.prefill_failovers == 1
         text = "".join([chunk.text async for chunk in stream.chunks()])
     finally:
         await orchestrator.close()
         await server.stop(0)
     assert text == reference[case.name]["text"]
     assert stream.completion_tokens == MAX_TOKENS
+
+
+async def test_a_dead_prefill_worker_fails_over_to_a_live_one(stack, reference, model_dir):
+    server = await _router(stack, [("dead-prefill", f"127.0.0.1:{free_port()}"),
+                                   ("real-prefill", stack.prefill)])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    orchestrator = Orchestrator(f"127.0.0.1:{server.port}", request_timeout=120,
+                                tokenizer=tokenizer)
+    case = next(c for c in CASES if c.kind == "completion")
+    ids = tokenizer.encode(case.payload["prompt"])
+    try:
+        # Idle prefill workers take turns: within two requests the dead one is picked
+        # first at least once, and that request moves on to the live one.
+        for n in range(2):
+            stream = await orchestrator.start(Generation(
+                request_id=f"failover-{n}", model=stack.model, prompt_token_ids=ids,
+                sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True)))
+            assert stream.path == "disaggregated"
+            assert stream.stats["prefill_worker"] == "real-prefill"
+            text = "".join([chunk.text async for chunk in stream.chunks()])
+            assert text == reference[case.name]["text"]
+        assert orchestrator.prefill_failovers >= 1 and orchestrator.prefill_fallbacks == 0
+    finally:
+        await orchestrator.close()
+        await server.stop(0)

@@ -19,6 +19,7 @@ from pdserve.v1 import inference_pb2_grpc, router_pb2_grpc
 from services.edge.app import METRICS, STREAMS, build_app
 from services.edge.inference import InferenceService
 from services.edge.orchestrator import Orchestrator
+from services.edge.server import resilience
 from services.edge.prompts import PromptEncoder
 from services.router.probes import EngineProbes
 from services.router.server import RouterService
@@ -30,10 +31,11 @@ from support import free_port
 class EdgeStack:
     url: str
     model: str
-    engine: SyntheticEngine
+    engine: SyntheticEngine                         # the first decode engine
     app: web.Application
     replicas: list[tuple[str, web.Application]]     # every edge (the first is url/app)
     inference: str                                   # the first edge's Inference gRPC API
+    engines: list[tuple[SyntheticEngine, Server]]    # every decode engine, with its server
 
     def body(self, max_tokens: int = 20, **extra) -> dict:
         return {"model": self.model, "prompt": "hello", "max_tokens": max_tokens,
@@ -50,15 +52,19 @@ class EdgeStack:
 
 @contextlib.asynccontextmanager
 async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity: int = 0,
-                     **edge_options):
-    """Yield an EdgeStack (`replicas` edges on one router); everything is stopped on exit."""
+                     engines: int = 1, **edge_options):
+    """Yield an EdgeStack (`replicas` edges and `engines` decode engines on one router);
+    everything is stopped on exit."""
     encoder = PromptEncoder(str(model_dir))
-    engine = SyntheticEngine(encoder.tokenizer, str(model_dir), rate, capacity=capacity)
-    engine_server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc
-                           .add_VllmEngineServicer_to_server(engine, s), [])
-    await engine_server.start()
-    router_cfg = RouterConfig(port=0, static_workers=(
-        ("decode", f"127.0.0.1:{engine_server.port}"),))
+    decoders = []
+    for _ in range(engines):
+        engine = SyntheticEngine(encoder.tokenizer, str(model_dir), rate, capacity=capacity)
+        server = Server("127.0.0.1", 0, lambda s, e=engine: vllm_engine_pb2_grpc
+                        .add_VllmEngineServicer_to_server(e, s), [])
+        await server.start()
+        decoders.append((engine, server))
+    router_cfg = RouterConfig(port=0, static_workers=tuple(
+        ("decode", f"127.0.0.1:{server.port}") for _, server in decoders))
     service = RouterService(router_cfg)
     router = Server("127.0.0.1", 0, lambda s: router_pb2_grpc.add_RouterServicer_to_server(
         service, s), [])
@@ -69,7 +75,7 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
                              min_prefill_workers=0), **edge_options)
     edges = []
     for _ in range(replicas):
-        orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer)
+        orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer, resilience(cfg))
         app = build_app(cfg, orchestrator, encoder)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()
@@ -80,14 +86,14 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
     inference_server = Server("127.0.0.1", 0, lambda s: inference_pb2_grpc
                               .add_InferenceServicer_to_server(inference, s), [])
     await inference_server.start()
-    for _ in range(100):                        # until the router has probed the engine
-        if service.registry.snapshot():
+    for _ in range(100):                        # until the router has probed the engines
+        if len(service.registry.snapshot()) == engines:
             break
         await asyncio.sleep(0.05)
     try:
-        yield EdgeStack(edges[0][0], cfg.name, engine, edges[0][1],
+        yield EdgeStack(edges[0][0], cfg.name, decoders[0][0], edges[0][1],
                         [(url, app) for url, app, _, _ in edges],
-                        f"127.0.0.1:{inference_server.port}")
+                        f"127.0.0.1:{inference_server.port}", decoders)
     finally:
         await inference_server.stop(0)
         for _, _, runner, orchestrator in edges:
@@ -95,4 +101,6 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
             await orchestrator.close()
         await probes.stop()
         await router.stop(0)
-        await engine_server.stop(0)
+        for engine, server in decoders:
+            engine.thaw()
+            await server.stop(0)

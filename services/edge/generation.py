@@ -1,0 +1,331 @@
+"""One placed generation, streamed from a decode worker, surviving that worker.
+
+A `GenerationStream` reads its tokens from one decode leg at a time: a
+streaming `Generate` on a decode worker (which pulls the prefill's KV, or
+prefills locally). When that worker dies (the call fails), stalls (no output
+within `stall_seconds`; before the first output, `first_token_seconds`) or is
+cut off by its drain, the generation migrates: the edge asks the router for
+another decode worker (the failed one excluded for `exclude_seconds`) and
+starts a new leg whose prompt is the original prompt plus every token already
+sent, asking only for the tokens still owed. The client's stream just goes on:
+the detokenizer and the token count carry over, so there is no gap and no
+duplicate. With temperature 0 the text equals an uninterrupted run's. With
+sampling and a seed, the continuation is a correct sample but not the one the
+dead worker would have drawn (the new engine's generator starts afresh), and
+presence/frequency penalties forget the tokens generated before the move
+(they count output tokens, which the new leg sees as prompt).
+
+Every leg that ends early is aborted explicitly on its worker (decode engine,
+and the prefill lease it never pulled), not left to a timeout. All calls run
+against the request's own deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from pdserve.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
+
+from .detokenizer import TextStream
+from .engine_requests import decode_request
+from .openai_protocol import APIError
+
+log = logging.getLogger("pdserve.edge")
+
+# What a failing decode leg may be: anything but bad input and our own budget
+# running out moves the generation to another worker.
+_FINAL = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(frozen=True, slots=True)
+class Resilience:
+    """How the edge rides out failing workers."""
+
+    prefill_timeout: float = 30.0       # a prefill leg slower than this is tried elsewhere
+    prefill_attempts: int = 2           # prefill workers tried before prefilling locally
+    stall_seconds: float = 5.0          # a decode leg silent this long is moved...
+    first_token_seconds: float = 30.0   # ...or this long before its first output
+    max_migrations: int = 3             # moves per generation before it fails
+    exclude_seconds: float = 10.0       # a worker that failed a generation is skipped this long
+    place_wait_seconds: float = 30.0    # how long a move waits for a decode worker to serve
+
+
+@dataclass(slots=True)
+class Generation:
+    """What the edge asks the cluster to generate (already tokenized and validated)."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    session_id: str = ""
+    deadline: float = 0.0               # time.monotonic() it must end by; 0 = the edge's default
+
+    def remaining(self) -> float:
+        """Seconds left of the request's budget; raises the deadline error at 0."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise APIError(504, "the request's deadline passed before it finished",
+                           type="timeout", code="deadline_exceeded")
+        return left
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A piece of one request's output, as the edge relays it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None            # "stop" | "length" | "abort" on the last
+
+
+@dataclass(slots=True)
+class DecodeLeg:
+    """Where a generation's tokens come from now: one decode worker, and the prefill
+    lease whose blocks it pulls (if any)."""
+
+    request_id: str                             # the engine's id (a moved leg gets a suffix)
+    worker_id: str
+    stub: vllm_engine_pb2_grpc.VllmEngineStub
+    prefill_params: dict[str, Any] | None = None
+    prefill_address: str = ""
+    leases: transfer_pb2_grpc.KVTransferStub | None = None
+    started: bool = False                       # its first output came
+    pulled: bool = False                        # ...and it had pulled the prefill's blocks
+
+    def abandon(self, running: set, why: str) -> None:
+        """Drop the leg everywhere it lives: the decode engine's request, and the
+        prefill's lease if the decode never got to pull it."""
+        in_background(self.stub.Abort(vllm_engine_pb2.AbortRequest(
+            request_ids=[self.request_id]), timeout=2.0), running)
+        self.end_lease(running, why)
+
+    def end_lease(self, running: set, why: str) -> None:
+        """End the prefill's lease unless the decode pulled it: its blocks are freed now,
+        not when the lease runs out."""
+        lease = (self.prefill_params or {}).get("remote_request_id")
+        if self.leases is None or self.pulled or not lease:
+            return
+        leases, self.leases = self.leases, None
+        in_background(leases.Abort(transfer_pb2.LeaseRequest(lease_id=lease, reason=why),
+                                   timeout=2.0), running)
+
+
+# (generation, engine request id, prompt ids, workers to avoid) -> a new leg and its stats
+Place = Callable[[Generation, str, list[int], set[str]], Awaitable[tuple[DecodeLeg, dict]]]
+
+
+class _Stalled(Exception):
+    """A decode leg sent nothing within its stall deadline."""
+
+
+@dataclass(slots=True)
+class GenerationStream:
+    """A placed request: its path is known; iterate `chunks()` for tokens and text."""
+
+    gen: Generation
+    path: str                                   # "disaggregated" | "local"
+    leg: DecodeLeg
+    text: TextStream
+    place: Place                                # how a move finds its next leg
+    resilience: Resilience = field(default_factory=Resilience)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_at: float | None = None         # perf_counter() when the first token arrived
+    stats: dict = field(default_factory=dict)
+    migrations: list[float] = field(default_factory=list)   # ms from failure to next leg
+    failed: dict[str, float] = field(default_factory=dict)  # worker id -> when it failed us
+    aborts: set = field(default_factory=set)    # in-flight Abort calls (kept referenced)
+    _last_output: float = 0.0                   # loop.time() of the leg's last output
+    _stalled: bool = False
+    _watchdog: asyncio.TimerHandle | None = None
+
+    @property
+    def decode_worker(self) -> str:
+        return self.leg.worker_id
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Chunks in order, across moves; leaving early cancels the call and aborts
+        the request wherever it runs."""
+        try:
+            while True:
+                try:
+                    async with contextlib.aclosing(self._leg_chunks()) as leg_chunks:
+                        async for chunk in leg_chunks:
+                            yield chunk
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if e.code() in _FINAL:
+                        raise self._final_error(e) from e
+                    failure = f"{e.code().name}: {e.details()}"
+                except _Stalled as e:
+                    failure = str(e)
+                await self._migrate(failure)
+        finally:
+            if self.finish_reason is None:
+                self.leg.abandon(self.aborts, f"request {self.gen.request_id} ended early")
+            else:
+                self.leg.end_lease(self.aborts, f"request {self.gen.request_id} ended")
+
+    async def _leg_chunks(self) -> AsyncIterator[Chunk]:
+        """The current leg's output; raises AioRpcError or _Stalled when it fails."""
+        leg, sent = self.leg, len(self.output_ids)
+        sampling = self.gen.sampling
+        if sent:                                # a moved leg owes only the rest
+            sampling = common_pb2.SamplingParams()
+            sampling.CopyFrom(self.gen.sampling)
+            sampling.max_tokens -= sent
+        req = decode_request(leg.request_id, self.gen.prompt_token_ids + self.output_ids,
+                             sampling, leg.prefill_params, leg.prefill_address)
+        call = leg.stub.Generate(req, timeout=self.gen.remaining())
+        loop = asyncio.get_running_loop()
+        self._last_output, self._stalled = loop.time(), False
+        self._watch(call)
+        try:
+            async for resp in call:
+                self._last_output = loop.time()
+                if not resp.HasField("chunk"):
+                    self.finish_reason = resp.complete.finish_reason or "stop"
+                    yield Chunk([], self.text.finish(), self.finish_reason)
+                    return
+                c = resp.chunk
+                if not leg.started:
+                    leg.started = True
+                    self._watch(call)           # from now on the shorter stall deadline
+                    # A pull leaves all but the last prompt token cached.
+                    leg.pulled = (leg.prefill_params is not None and
+                                  c.cached_tokens >= len(req.tokenized.input_ids) - 1)
+                    if not sent:
+                        self._first_chunk(c.cached_tokens)
+                if not c.token_ids:
+                    continue
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                self.output_ids.extend(c.token_ids)
+                text = self.text.add(c.token_ids)
+                if self.text.stop_string is not None:
+                    # The edge saw the stop string first: end here.
+                    self.finish_reason = "stop"
+                    yield Chunk(list(c.token_ids), text, "stop")
+                    return
+                yield Chunk(list(c.token_ids), text)
+        except asyncio.CancelledError:
+            if self._stalled and asyncio.current_task().cancelling() == 0:
+                raise _Stalled(f"decode worker {leg.worker_id} sent nothing for "
+                               f"{self._stall_limit():.1f} s") from None
+            raise
+        finally:
+            self._watchdog.cancel()
+            call.cancel()                       # a no-op once the call has ended
+
+    def close(self) -> None:
+        """End the prefill's lease if the decode never pulled it (the request ended
+        before its decode ran): its blocks are freed now, not when the lease runs out."""
+        self.leg.end_lease(self.aborts, f"request {self.gen.request_id} ended before its decode")
+
+    def _stall_limit(self) -> float:
+        r = self.resilience
+        return r.stall_seconds if self.leg.started else r.first_token_seconds
+
+    def _watch(self, call) -> None:
+        """(Re)arm the leg's watchdog for its current stall deadline."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = asyncio.get_running_loop().call_at(
+            self._last_output + self._stall_limit(), self._check_stall, call)
+
+    def _check_stall(self, call) -> None:
+        """The watchdog: cancels the call when the leg has been silent too long, else
+        looks again when it next could be (one timer per leg, not one per token)."""
+        loop = asyncio.get_running_loop()
+        due = self._last_output + self._stall_limit()
+        if loop.time() >= due:
+            self._stalled = True
+            call.cancel()
+        else:
+            self._watchdog = loop.call_at(due, self._check_stall, call)
+
+    def _first_chunk(self, cached_tokens: int) -> None:
+        """The decode engine's first output says whether the KV travelled. If the
+        prefill's blocks were not pulled, the decode worker prefilled itself (it
+        refused a lease that was gone, or the pull failed)."""
+        pulled = self.leg.pulled
+        if self.leg.prefill_params is not None and not pulled:
+            self.path = "local"
+            self.stats["pull_refused"] = True
+            log.warning("request %s: the decode worker %s prefilled locally (%d tokens "
+                        "cached); the prefill's KV was not used", self.gen.request_id,
+                        self.leg.worker_id, cached_tokens)
+        self.stats.update(decode_cached_tokens=cached_tokens,
+                          decode_external_tokens=cached_tokens if pulled else 0)
+
+    async def _migrate(self, failure: str) -> None:
+        """Continue on another decode worker, or raise the error that ends the stream."""
+        old, began = self.leg, time.perf_counter()
+        old.abandon(self.aborts, f"request {self.gen.request_id} moved off {old.worker_id}")
+        self.failed[old.worker_id] = time.monotonic()
+        if len(self.migrations) >= self.resilience.max_migrations:
+            log.warning("request %s: decode worker %s failed (%s); %d moves already, giving up",
+                        self.gen.request_id, old.worker_id, failure, len(self.migrations))
+            raise APIError(503, f"decode worker {old.worker_id} failed ({failure}) and the "
+                           f"generation already moved {len(self.migrations)} times",
+                           type="service_unavailable")
+        log.warning("request %s: decode worker %s failed after %d tokens (%s); moving it",
+                    self.gen.request_id, old.worker_id, len(self.output_ids), failure)
+        wait_until = time.monotonic() + min(self.resilience.place_wait_seconds,
+                                            self.gen.remaining())
+        rid = f"{self.gen.request_id}-m{len(self.migrations) + 1}"
+        prompt = self.gen.prompt_token_ids + self.output_ids
+        while True:
+            try:
+                self.leg, _ = await self.place(self.gen, rid, prompt, self._excluded())
+                break
+            except APIError as e:
+                if e.status != 503 or time.monotonic() >= wait_until:
+                    raise
+            await asyncio.sleep(0.25)           # no decode worker serves yet: wait for one
+        self.migrations.append((time.perf_counter() - began) * 1000)
+        log.info("request %s: moved from %s to %s in %.0f ms", self.gen.request_id,
+                 old.worker_id, self.leg.worker_id, self.migrations[-1])
+
+    def _excluded(self) -> set[str]:
+        """Workers that failed this generation recently (a restarted one, with the same
+        id, is welcome again once the window has passed)."""
+        since = time.monotonic() - self.resilience.exclude_seconds
+        return {w for w, at in self.failed.items() if at > since}
+
+    def _final_error(self, e: grpc.aio.AioRpcError) -> APIError:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return APIError(504, "the request's deadline passed before it finished",
+                            type="timeout", code="deadline_exceeded")
+        return api_error(e, f"decode worker {self.leg.worker_id}")
+
+
+def in_background(call, running: set) -> None:
+    """Run a fire-and-forget call (an Abort): kept referenced in `running` until it
+    ends, its failure swallowed (the worker may be gone; nothing waits on it)."""
+    task = asyncio.ensure_future(call)
+    running.add(task)
+    task.add_done_callback(lambda t: (running.discard(t), t.cancelled() or t.exception()))
+
+
+def api_error(e: grpc.aio.AioRpcError, who: str) -> APIError:
+    """A worker's gRPC status as the error the client sees (mapped once, here)."""
+    code = e.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(400, e.details() or "invalid request")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return APIError(429, "the server is overloaded; retry later", type="server_overloaded")
+    log.warning("%s failed: %s %s", who, code.name, e.details())
+    return APIError(503, f"{who} is unavailable ({code.name})", type="service_unavailable")

@@ -1,0 +1,131 @@
+"""A decode worker that dies or stalls mid-stream does not end the stream: the edge
+moves the generation to another decode worker, resuming from the tokens already
+sent. Two synthetic decode engines behind a real router; real HTTP clients.
+(tests/e2e/test_migration_text.py shows the text is unchanged on real engines.)"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from support import parse_sse
+from synthetic_stack import edge_stack
+
+
+def _running(stack) -> list[int]:
+    """Indexes of the engines with a request running."""
+    return [i for i, (engine, _) in enumerate(stack.engines) if engine.running]
+
+
+async def _read_events(resp) -> list[tuple[int | None, str, float]]:
+    """(id, data, arrival time) per SSE event until the stream ends."""
+    events, buf = [], ""
+    async for raw in resp.content.iter_any():
+        buf += raw.decode()
+        *blocks, buf = buf.split("\n\n")
+        for ident, data in parse_sse("\n\n".join(blocks)):
+            events.append((ident, data, time.monotonic()))
+    return events
+
+
+async def _stream_with_fault(stack, fault, max_tokens: int = 40, after_events: int = 5,
+                             headers: dict | None = None):
+    """Start a stream, apply `fault(engine index)` to the engine serving it once
+    `after_events` events arrived; return (events, the faulted index, fault time)."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.url}/v1/completions", json=stack.body(max_tokens),
+                             headers=headers or {}) as r:
+            assert r.status == 200, await r.text()
+            events, buf, faulted, at = [], "", None, None
+            async for raw in r.content.iter_any():
+                buf += raw.decode()
+                *blocks, buf = buf.split("\n\n")
+                for ident, data in parse_sse("\n\n".join(blocks)):
+                    events.append((ident, data, time.monotonic()))
+                if faulted is None and len(events) >= after_events:
+                    [faulted] = _running(stack)
+                    at = time.monotonic()
+                    await fault(faulted)
+    return events, faulted, at
+
+
+def _check_whole(events, max_tokens_chunks: bool = True) -> list[dict]:
+    """Ids 1..n with no gap or repeat, no error, a finish chunk and [DONE]."""
+    ids = [i for i, _, _ in events]
+    assert ids == list(range(1, len(ids) + 1)), ids
+    assert events[-1][1] == "[DONE]"
+    chunks = [json.loads(d) for _, d, _ in events[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks[-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return chunks
+
+
+def _migrations(stack) -> float:
+    return stack.metrics.migrations.labels(stack.model)._value.get()
+
+
+async def test_a_dead_decode_worker_hands_the_stream_on(model_dir):
+    async with edge_stack(model_dir, rate=50.0, engines=2) as stack:
+        async def kill(i):
+            await stack.engines[i][1].stop(0)      # the server goes; its calls fail
+        events, dead, _ = await _stream_with_fault(stack, kill)
+        _check_whole(events)
+        other = stack.engines[1 - dead][0]
+        [(rid, (prompt, max_tokens))] = [(r, v) for r, v in other.requests.items()]
+        # The new leg resumes from the prompt plus every token already sent, asking
+        # only for the rest.
+        [(first_rid, (first_prompt, _))] = list(stack.engines[dead][0].requests.items())
+        assert rid == f"{first_rid}-m1"
+        sent = prompt[len(first_prompt):]
+        assert prompt[:len(first_prompt)] == first_prompt and sent
+        assert max_tokens == 40 - len(sent)
+        assert _migrations(stack) == 1
+
+
+async def test_a_stalled_decode_worker_is_left_within_its_deadline(model_dir):
+    async with edge_stack(model_dir, rate=50.0, engines=2, decode_stall_seconds=0.5) as stack:
+        async def freeze(i):
+            stack.engines[i][0].freeze()           # calls stay open, nothing is sent
+        events, frozen, at = await _stream_with_fault(stack, freeze)
+        _check_whole(events)
+        after = [t for _, _, t in events if t > at]
+        assert after and after[0] - at < 1.5, f"{after[0] - at:.2f} s to continue"
+        # The frozen worker was told to drop the request, not left holding it.
+        assert not stack.engines[frozen][0].running
+        assert _migrations(stack) == 1
+
+
+async def test_moves_are_bounded(model_dir):
+    async with edge_stack(model_dir, rate=50.0, engines=2, max_migrations=0) as stack:
+        async def kill(i):
+            await stack.engines[i][1].stop(0)
+        events, _, _ = await _stream_with_fault(stack, kill)
+        assert events[-1][1] == "[DONE]"
+        error = json.loads(events[-2][1])["error"]
+        assert error["type"] == "service_unavailable" and "moved 0 times" in error["message"]
+
+
+async def test_the_request_budget_ends_it_everywhere(model_dir):
+    async with edge_stack(model_dir, rate=20.0, engines=1) as stack:
+        async with aiohttp.ClientSession() as http:
+            started = time.monotonic()
+            async with http.post(f"{stack.url}/v1/completions", json=stack.body(100),
+                                 headers={"x-pdserve-timeout-ms": "400"}) as r:
+                assert r.status == 200
+                events = await _read_events(r)
+            assert time.monotonic() - started < 2.0
+            error = json.loads(events[-2][1])["error"]
+            assert error["code"] == "deadline_exceeded"
+            await asyncio.sleep(0.1)
+            assert not stack.engine.running         # the engine dropped it too
+            body = stack.body(100) | {"stream": False}
+            async with http.post(f"{stack.url}/v1/completions", json=body,
+                                 headers={"x-pdserve-timeout-ms": "300"}) as r:
+                assert r.status == 504
+                assert (await r.json())["error"]["code"] == "deadline_exceeded"
+            async with http.post(f"{stack.url}/v1/completions", json=body,
+                                 headers={"x-pdserve-timeout-ms": "soon"}) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == "x-pdserve-timeout-ms"
