@@ -89,6 +89,7 @@ class WorkerConfig:
     worker_id: str = ""
     heartbeat_seconds: float = 2.0
     metrics_port: int = 0                # the engine's vllm:* series over HTTP; 0 = off
+    drain_seconds: float = 30.0          # SIGTERM: Generate calls in flight get this long
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -96,6 +97,8 @@ class WorkerConfig:
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         _check_positive("heartbeat_seconds", self.heartbeat_seconds)
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Servers expose the standard `grpc.health.v1` service; shutdown first flips it
 to NOT_SERVING so callers stop picking this process, then drains in-flight
-calls for `grace` seconds (grpc examples: async graceful shutdown).
+calls for `grace` seconds (grpc examples: async graceful shutdown). A worker
+flips it first and waits for its own calls before it stops (`drain`, `stop`).
 """
 from __future__ import annotations
 
@@ -57,15 +58,29 @@ class Server:
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """NOT_SERVING first, then drain in-flight calls for `grace` seconds."""
+    async def drain(self) -> None:
+        """Report NOT_SERVING, still serving: callers stop picking this process
+        while the calls it has run on."""
         for name in self.service_names:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING first, then drain in-flight calls for `grace` seconds."""
+        await self.drain()
         await self.server.stop(grace)
 
 
+# Reconnect: a peer that went away is dialled again at least every second. gRPC's
+# default backoff grows to 2 minutes, and until its next attempt the channel fails
+# every call at once: a worker restarted on its port would be refused for that long.
+_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+
 def channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel with keepalive and the retry policy above."""
+    """An insecure channel with keepalive, quick reconnects and the retry policy above."""
     return grpc.aio.insecure_channel(
-        address, options=_KEEPALIVE + [("grpc.service_config", _SERVICE_CONFIG),
-                                       ("grpc.enable_retries", 1)])
+        address, options=_KEEPALIVE + _RECONNECT + [("grpc.service_config", _SERVICE_CONFIG),
+                                                    ("grpc.enable_retries", 1)])

@@ -2,11 +2,14 @@
 
 Starts the router, N prefill and M decode workers (each engine on its own
 cores or GPUs, or sharing them when there are more engines than units) and
-the edge; prints one line when the edge reports healthy. A worker that dies
-once the stack is up is restarted (the pool serves on without it meanwhile; at
-most 3 times in 10 minutes); on Ctrl-C/SIGTERM, or when the router, the edge or
-a worker before the stack is up dies, it stops every process it started.
-Each child runs in its own session so that its engine subprocesses go with it.
+the edge; prints one line when the edge reports healthy. Any child that dies,
+before or after that, is restarted after a backoff (0.5 s, doubling to 10 s;
+0.5 s again once it has stayed up a minute) while the others are watched on:
+a pool serves on without one worker, and the edge and the workers reconnect to
+a restarted router. Only a crash loop (a child dying more than 5 times in 5
+minutes) stops the stack, with a line saying which child and how often; so
+does Ctrl-C/SIGTERM, which stops every process it started. Each child runs in
+its own session so that its engine subprocesses go with it.
 """
 from __future__ import annotations
 
@@ -24,7 +27,16 @@ from pdserve.cli import PLACEMENT_FLAGS, EDGE_FLAGS
 from pdserve.config import EngineConfig
 
 _READY_TIMEOUT_S = 600
-_STOP_GRACE_S = 40  # the edge gives in-flight streams 30 s
+# A child stopping gets its drain (--drain-seconds, the edge's and every worker's)
+# and this much more: a server's grace, an engine's shutdown.
+_STOP_MARGIN_S = 10
+_TICK_S = 0.25                 # how often the children are looked at
+
+RESTART_LIMIT = 5              # more deaths than this of one child...
+RESTART_WINDOW_S = 300.0       # ...within this long are a crash loop: the stack stops
+BACKOFF_FIRST_S = 0.5          # a dead child's first wait to come back,
+BACKOFF_CAP_S = 10.0           # doubling with each death up to this
+HEALTHY_AFTER_S = 60.0         # a child up this long starts its backoff afresh
 
 
 def _spread(units: list[str], n: int) -> list[str]:
@@ -87,7 +99,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
             workers.append((f"{role}-{i}", me + [
                 role, "--port", str(first_port + i), "--router", router,
                 "--kv-port", str(a.kv_port + k), "--kv-lease-seconds", str(a.kv_lease_seconds),
-                "--worker-id", f"{role}-{i}"] + pin + metrics
+                "--worker-id", f"{role}-{i}", "--drain-seconds", str(a.drain_seconds)]
+                + pin + metrics
                 + _engine_flags(a, eng), env))
     placement, streams = ([arg for name in names for arg in _passed_on(name, getattr(a, name))]
                           for names in (PLACEMENT_FLAGS, EDGE_FLAGS))
@@ -116,22 +129,24 @@ def healthy(url: str) -> bool:
         return False
 
 
-def _stop(procs: dict[str, subprocess.Popen]) -> None:
+def _stop(procs: dict[str, subprocess.Popen], grace: float) -> None:
     """Stop in reverse start order, one tier at a time: the edge drains its streams
     while the workers still serve them, then the workers, then the router.
-    Whatever is left of a child's session after its grace period is SIGKILLed."""
+    SIGTERM goes to each child alone, not its session: a worker drains its calls,
+    then stops its own engine (an engine process signalled with it would die
+    mid-stream). Whatever is left of a child's session after `grace` is SIGKILLed."""
     tiers = [("edge",), ("prefill-", "decode-"), ("router",)]
     for tier in tiers:
         members = [(n, p) for n, p in procs.items() if n.startswith(tier)]
         for _, p in members:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_GRACE_S
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
         for name, p in members:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"pdserve: {name} did not stop in {_STOP_GRACE_S}s; killing",
+                print(f"pdserve: {name} did not stop in {grace:g}s; killing",
                       file=sys.stderr)
             try:
                 os.killpg(p.pid, signal.SIGKILL)  # engine subprocesses left in its session
@@ -140,24 +155,44 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
             p.wait()
 
 
-class _Restarts:
-    """A worker is restarted when it dies, at most `limit` times in `window` seconds:
-    one that keeps dying (bad flags, no memory) stops the stack instead."""
+class RestartPolicy:
+    """When a dead child comes back: after BACKOFF_FIRST_S, doubling with each
+    death up to BACKOFF_CAP_S, and after BACKOFF_FIRST_S again once it had stayed
+    up HEALTHY_AFTER_S; never once it has died more than `limit` times in `window`
+    seconds: a crash loop (bad flags, no memory, a port someone else holds) that
+    no waiting cures. Times are passed in, so that the policy is testable."""
 
-    def __init__(self, limit: int = 3, window: float = 600.0):
+    def __init__(self, limit: int = RESTART_LIMIT, window: float = RESTART_WINDOW_S):
         self.limit, self.window = limit, window
-        self.times: dict[str, list[float]] = {}
+        self.deaths: dict[str, list[float]] = {}      # per child, those within the window
+        self.backoff: dict[str, float] = {}           # per child, its next wait
+        self.up_since: dict[str, float] = {}
 
-    def allow(self, name: str, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        recent = [t for t in self.times.get(name, []) if now - t < self.window]
-        self.times[name] = recent + [now]
-        return len(recent) < self.limit
+    def started(self, name: str, now: float) -> None:
+        """Called each time `name` is started."""
+        self.up_since[name] = now
+
+    def died(self, name: str, now: float) -> float | None:
+        """Called when `name` is found dead: seconds to wait before starting it
+        again, or None when it is crash-looping."""
+        self.deaths[name] = [t for t in self.deaths.get(name, [])
+                             if now - t < self.window] + [now]
+        if len(self.deaths[name]) > self.limit:
+            return None
+        if now - self.up_since.get(name, now) >= HEALTHY_AFTER_S:
+            self.backoff.pop(name, None)
+        wait = self.backoff.get(name, BACKOFF_FIRST_S)
+        self.backoff[name] = min(2 * wait, BACKOFF_CAP_S)
+        return wait
+
+
+class CrashLoop(Exception):
+    """A child died more often than RestartPolicy allows; the message says which."""
 
 
 def _clean_up_after(proc: subprocess.Popen) -> None:
-    """What a dead worker leaves: the rest of its session (engine processes), and the
-    socket file its engine published KV events on."""
+    """What a dead child leaves: the rest of its session (a worker's engine
+    processes), and the socket file a worker's engine published KV events on."""
     from services.worker.engine import kv_events_path
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -166,41 +201,63 @@ def _clean_up_after(proc: subprocess.Popen) -> None:
     Path(kv_events_path(proc.pid)).unlink(missing_ok=True)
 
 
+class Children:
+    """The stack's processes by name: started, watched, restarted when they die."""
+
+    def __init__(self, commands: dict[str, tuple[list[str], dict]],
+                 policy: RestartPolicy | None = None):
+        self.commands = commands                  # name -> (argv, extra environment)
+        self.policy = policy or RestartPolicy()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.due: dict[str, float] = {}           # dead children: when each starts again
+
+    def start(self, name: str, now: float) -> None:
+        cmd, env = self.commands[name]
+        self.procs[name] = subprocess.Popen(cmd, env={**os.environ, **env},
+                                            start_new_session=True)
+        self.policy.started(name, now)
+
+    def watch(self, now: float) -> None:
+        """One look at every child, never waiting: a newly dead one is cleaned up
+        after and given a time to come back; those whose time has come are started.
+        Raises CrashLoop for a child the policy gives up on."""
+        for name, proc in self.procs.items():
+            if name in self.due or proc.poll() is None:
+                continue
+            _clean_up_after(proc)
+            wait = self.policy.died(name, now)
+            if wait is None:
+                raise CrashLoop(
+                    f"pdserve: {name} exited (code {proc.returncode}), its "
+                    f"{len(self.policy.deaths[name])} deaths in {self.policy.window:g} s are "
+                    f"a crash loop; stopping the stack")
+            # A pool carries on without one worker (the router stops offering it);
+            # a child comes back on the same ports, and a worker registers again.
+            print(f"pdserve: {name} exited (code {proc.returncode}); restarting it in "
+                  f"{wait:g} s", file=sys.stderr, flush=True)
+            self.due[name] = now + wait
+        for name in [n for n, at in self.due.items() if at <= now]:
+            del self.due[name]
+            self.start(name, now)
+
+
 def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
-    """Run until signalled; returns the exit code."""
+    """Run until signalled (0) or a child crash-loops (1)."""
     if not a.model:
         from pdserve.tiny_model import ensure_tiny_model
         ensure_tiny_model(Path(eng.model))
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    procs: dict[str, subprocess.Popen] = {}
-    commands = {name: (cmd, env) for name, cmd, env in _commands(a, eng)}
-    restarts = _Restarts()
+    children = Children({name: (cmd, env) for name, cmd, env in _commands(a, eng)})
     health = f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '') else a.host}:{a.port}/health"
-
-    def start(name: str) -> None:
-        cmd, env = commands[name]
-        procs[name] = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
-
     try:
-        for name in commands:
-            start(name)
+        for name in children.commands:
+            children.start(name, time.monotonic())
         ready_by = time.monotonic() + _READY_TIMEOUT_S
         ready = False
         while not stopping:
-            for name in [n for n, p in procs.items() if p.poll() is not None]:
-                code = procs[name].returncode
-                _clean_up_after(procs[name])
-                if not ready or name in ("router", "edge") or not restarts.allow(name):
-                    print(f"pdserve: {name} exited (code {code}); stopping the stack",
-                          file=sys.stderr)
-                    return 1
-                # A pool carries on without one worker (the router stops offering it);
-                # the worker comes back on the same ports and registers again.
-                print(f"pdserve: {name} exited (code {code}); restarting it", file=sys.stderr,
-                      flush=True)
-                start(name)
+            children.watch(time.monotonic())
             if not ready and healthy(health):
                 ready = True
                 print(f"pdserve ready: http://{a.host}:{a.port} (router 127.0.0.1:{a.router_port},"
@@ -209,8 +266,11 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
             if not ready and time.monotonic() > ready_by:
                 print(f"pdserve: not healthy after {_READY_TIMEOUT_S}s; stopping", file=sys.stderr)
                 return 1
-            time.sleep(0.5)
+            time.sleep(_TICK_S)
         return 0
+    except CrashLoop as e:
+        print(e, file=sys.stderr, flush=True)
+        return 1
     finally:
-        _stop(procs)
-        print(f"pdserve: stopped {len(procs)} processes", file=sys.stderr, flush=True)
+        _stop(children.procs, a.drain_seconds + _STOP_MARGIN_S)
+        print(f"pdserve: stopped {len(children.procs)} processes", file=sys.stderr, flush=True)

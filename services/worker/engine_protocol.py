@@ -38,6 +38,8 @@ class WorkerEngineServicer(VllmEngineServicer):
         self.vocab_size = engine.llm.model_config.get_vocab_size()
         self.claims = LeaseClaims()
         self.on_lease = None            # called with each lease id a prefill hands out
+        self.in_flight = 0              # Generate calls running: a drain waits for none
+        self.draining = False           # set on SIGTERM: HealthCheck says so
 
     async def Generate(self, request, context):
         s = request.sampling_params
@@ -50,9 +52,10 @@ class WorkerEngineServicer(VllmEngineServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         started = time.perf_counter()
-        await self._claim(request)
         n, prompt_tokens, cached, ended = 0, 0, 0, "cancelled"
+        self.in_flight += 1
         try:
+            await self._claim(request)
             async for resp in super().Generate(request, context):
                 if resp.HasField("chunk"):
                     n += len(resp.chunk.token_ids)
@@ -64,6 +67,7 @@ class WorkerEngineServicer(VllmEngineServicer):
                         self._note_lease(resp.complete.kv_transfer_params_json)
                 yield resp
         finally:
+            self.in_flight -= 1
             # "cancelled": the caller went away; vLLM aborted the request as the
             # cancellation passed through AsyncLLM.generate, freeing its blocks.
             log.info("generate %s on %s %s after %d tokens: %d prompt tokens (%d cached), "
@@ -92,6 +96,13 @@ class WorkerEngineServicer(VllmEngineServicer):
                         "locally", request.request_id, self.worker_id,
                         params.get("remote_request_id"), params.get(PREFILL_ADDRESS), reason)
             request.ClearField("kv_transfer_params_json")
+
+    async def HealthCheck(self, request, context):
+        """Unhealthy while draining: a router probing this worker (one that does not
+        register) stops placing requests here, as a registered one is deregistered."""
+        if self.draining:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="draining")
+        return await super().HealthCheck(request, context)
 
     async def Abort(self, request, context):
         log.info("abort %s on %s", ",".join(request.request_ids), self.worker_id)

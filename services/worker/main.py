@@ -1,9 +1,16 @@
-"""Run one worker process: engine, gRPC server (vLLM's engine protocol), router registration."""
+"""Run one worker process: engine, gRPC server (vLLM's engine protocol), router registration.
+
+On SIGTERM a worker drains: gRPC health goes NOT_SERVING and it leaves the
+router at once (no new request is placed here), then the Generate calls it is
+running get up to `drain_seconds` to finish before the server and the engine
+stop. A second SIGTERM/SIGINT cuts the drain short.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+import time
 
 import prometheus_client
 from grpc_reflection.v1alpha import reflection
@@ -68,9 +75,31 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     try:
         await until_signalled()
     finally:
-        log.info("%s worker %s stopping", cfg.role, worker_id)
+        again = asyncio.create_task(until_signalled(), name="second-signal")
+        servicer.draining = True
+        await server.drain()
         await registration.stop()
+        await drain(servicer, cfg.drain_seconds, again, f"{cfg.role} worker {worker_id}")
+        again.cancel()
         if leases:
             refresh.cancel()
-        await server.stop(grace=5.0)
+        await server.stop(grace=1.0)
         engine.shutdown()
+
+
+async def drain(servicer: WorkerEngineServicer, seconds: float, cut_short: asyncio.Future,
+                who: str) -> None:
+    """Wait until `servicer` runs no Generate call, at most `seconds` or until
+    `cut_short` is done; log how it began and how it ended."""
+    log.info("%s draining: %d Generate calls in flight (up to %g s)", who, servicer.in_flight,
+             seconds)
+    started = time.monotonic()
+    while (servicer.in_flight and not cut_short.done()
+           and time.monotonic() - started < seconds):
+        await asyncio.sleep(0.05)
+    took = time.monotonic() - started
+    if servicer.in_flight:
+        log.warning("%s: drain cut short after %.1f s with %d Generate calls still running",
+                    who, took, servicer.in_flight)
+    else:
+        log.info("%s drained in %.1f s", who, took)
