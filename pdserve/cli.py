@@ -8,6 +8,7 @@ Subcommands:
   edge      run the HTTP edge
   build-model  build the tiny offline test model
   bench     load and side-by-side benchmarks (`pdserve bench compare --quick`)
+  chaos     kill workers under streaming load; no stream may be lost
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                    help="a request still waiting for room after this long gets 503")
     g.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
                    help="on SIGTERM: /health fails and nothing new is admitted at once; "
-                        "streams in flight get this long to finish")
+                        "streams in flight get this long to finish (under `up`, every "
+                        "worker's drain too)")
     g.add_argument("--stream-store", default=_env("PDSERVE_STREAM_STORE", d.stream_store),
                    help="where stream logs live: memory, or redis://HOST:PORT (shared by "
                         "edge replicas, so a client can resume on another one)")
@@ -191,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--cpus", default="", help="cores for the engine's threads (cpu)")
         w.add_argument("--metrics-port", type=int, default=0,
                        help="serve the engine's vllm:* Prometheus metrics on this port (0: off)")
+        w.add_argument("--drain-seconds", type=float, default=30.0,
+                       help="on SIGTERM: leave the router at once; Generate calls in flight "
+                            "get this long to finish (a second signal cuts it short)")
         _add_engine_flags(w)
 
     e = sub.add_parser("edge", help="run the HTTP edge")
@@ -210,6 +215,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
 
+    chaos = sub.add_parser("chaos", add_help=False,
+                           help="kill real workers under streaming load; check no stream "
+                                "is lost (`pdserve chaos --seed 1 --duration 60 --json`)")
+    chaos.add_argument("args", nargs=argparse.REMAINDER)
     bench = sub.add_parser("bench", add_help=False,
                            help="serve: vLLM's serving benchmark; compare: P/D vs colocated")
     bench.add_argument("args", nargs=argparse.REMAINDER)
@@ -272,7 +281,8 @@ def _config(a: argparse.Namespace):
                                                 lease_seconds=a.kv_lease_seconds,
                                                 buffer_device=a.device),
                             host=a.host, port=a.port, advertise_host=a.advertise_host,
-                            router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port)
+                            router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port,
+                            drain_seconds=a.drain_seconds)
     if a.command == "edge":
         return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,
@@ -290,6 +300,10 @@ def _config(a: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chaos"]:           # its flags are its own (argparse's REMAINDER
+        from pdserve.chaos import main as chaos_main    # cannot start with an option)
+        sys.exit(chaos_main(argv[1:]))
     a = _parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {a.command:>7} %(levelname)s %(name)s: %(message)s")

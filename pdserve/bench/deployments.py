@@ -175,21 +175,24 @@ class PdserveStack:
     """`pdserve up` on free loopback ports."""
 
     def __init__(self, label: str, model: str, local_prefill_below: int, hw: Hardware,
-                 decode_workers: int = 1, placement: tuple[str, ...] = ()):
+                 decode_workers: int = 1, placement: tuple[str, ...] = (),
+                 prefill_workers: int = 1):
         self.label = label
         self.model = model
         self.local_prefill_below = local_prefill_below
         self.hw = hw
+        self.prefill_workers = prefill_workers
         self.decode_workers = decode_workers
-        self.placement = placement      # more of the router's flags (e.g. --balance 2)
+        self.placement = placement      # more of up's flags (e.g. the router's --balance 2)
         self.children = _Children(label)
         self.urls: list[str] = []
         self.ports: dict[str, int] = {}
 
     def start(self) -> list[str]:
-        n = 1 + self.decode_workers
-        self.ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill")}
-        self.ports |= {"decode": free_port_run(self.decode_workers),
+        n = self.prefill_workers + self.decode_workers
+        self.ports = {k: free_port() for k in ("edge", "grpc", "router")}
+        self.ports |= {"prefill": free_port_run(self.prefill_workers),
+                       "decode": free_port_run(self.decode_workers),
                        "metrics": free_port_run(n)}
         kv = free_port_run(n)          # NIXL side channels of the workers
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up",
@@ -198,6 +201,7 @@ class PdserveStack:
                "--prefill-port", str(self.ports["prefill"]),
                "--decode-port", str(self.ports["decode"]), "--kv-port", str(kv),
                "--local-prefill-below", str(self.local_prefill_below),
+               "--prefill-workers", str(self.prefill_workers),
                "--decode-workers", str(self.decode_workers),
                "--worker-metrics-port", str(self.ports["metrics"]), *self.placement,
                "--max-model-len", str(self.hw.max_model_len)]
@@ -212,20 +216,27 @@ class PdserveStack:
         return self.urls
 
     def worker_addresses(self, role: str) -> list[str]:
-        """gRPC addresses of the prefill worker or of every decode worker."""
-        count = 1 if role == "prefill" else self.decode_workers
+        """gRPC addresses of every prefill or every decode worker."""
+        count = self.prefill_workers if role == "prefill" else self.decode_workers
         return [f"127.0.0.1:{self.ports[role] + i}" for i in range(count)]
 
     @property
     def prefill_metrics(self) -> str:
-        """The prefill engine's vllm:* (and lease) metrics URL."""
+        """The (first) prefill engine's vllm:* (and lease) metrics URL."""
         return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
 
     @property
     def decode_metrics(self) -> list[str]:
-        """The decode engines' vllm:* metrics URLs (the prefill's comes first)."""
-        return [f"http://127.0.0.1:{self.ports['metrics'] + 1 + i}/metrics"
+        """The decode engines' vllm:* metrics URLs (the prefill workers' come first)."""
+        return [f"http://127.0.0.1:{self.ports['metrics'] + self.prefill_workers + i}/metrics"
                 for i in range(self.decode_workers)]
+
+    def worker_metrics(self) -> dict[str, str]:
+        """Every worker's metrics URL by its id (prefill-0, ..., decode-0, ...)."""
+        ids = ([f"prefill-{i}" for i in range(self.prefill_workers)]
+               + [f"decode-{i}" for i in range(self.decode_workers)])
+        return {w: f"http://127.0.0.1:{self.ports['metrics'] + k}/metrics"
+                for k, w in enumerate(ids)}
 
     def gateway_pids(self) -> list[int]:
         """The edge and router processes (what sits between clients and workers)."""
