@@ -5,8 +5,9 @@ loopback ports), records each prompt's uninterrupted temperature-0 text, then
 for `--duration` seconds drives `--concurrency` streaming clients while a
 seeded schedule faults workers: SIGKILL (the supervisor restarts it), SIGSTOP
 for a few seconds then SIGCONT, or SIGTERM (it drains and exits; the supervisor
-restarts it). A fault only hits a pool whose workers all serve, so each pool
-always keeps one. Then it checks, by SSE event id and
+restarts it); and SIGTERM to the edge ("edge": it drains its streams, exits and
+is restarted; requests meanwhile are refused, not accepted). A fault only hits
+a pool whose workers all serve, so each pool always keeps one. Then it checks, by SSE event id and
 text, every stream the edge accepted:
 
 - completed: a finish chunk and `[DONE]`, no error event, every token;
@@ -14,9 +15,9 @@ text, every stream the edge accepted:
 - text_mismatches: text unequal to the prompt's uninterrupted run;
 - after the load: every engine's KV usage back to idle (`leaked_blocks`) and no
   KV lease open on any prefill worker (`open_leases`);
-- continue_p50/p99_ms: from each SIGKILL to the next event of every stream the
-  dead decode worker was serving (a stopped worker costs its stall deadline
-  first: stall_continue_*).
+- continue_p50/p99_ms: for every stream a SIGKILLed decode worker was serving,
+  its longest silence after the kill, from the kill to the next event (a stopped
+  or draining worker: stall_continue_*; a stop costs the stall deadline first).
 
 Prints "N streams, N completed, 0 lost, 0 duplicated, K migrations, F failovers"
 (or one JSON object with `--json`); exits 1 when a stream was lost, duplicated,
@@ -42,7 +43,7 @@ import aiohttp
 
 from pdserve.bench.deployments import Hardware, PdserveStack, metric_sum
 
-_FAULTS = ("kill", "stop", "term")
+_FAULTS = ("kill", "stop", "term", "edge")
 # Deadlines tight enough that a fault is seen in about a second here.
 _EDGE_FLAGS = ("--decode-stall-seconds", "1.5", "--decode-first-token-seconds", "10",
                "--prefill-timeout-seconds", "5", "--max-migrations", "5")
@@ -124,6 +125,15 @@ def _event(block: str, out: Stream) -> None:
         out.tokens = obj["usage"]["completion_tokens"]
 
 
+def _silence_ms(times: list[float], at: float, window: float = 15.0) -> float:
+    """How long a stream went without events because of a fault at `at`: its longest
+    silence in the `window` after it, counted from the fault (events a dying worker
+    had already sent may still arrive just after it; they do not end the silence)."""
+    before = [t for t in times if t <= at]
+    points = [before[-1] if before else at] + [t for t in times if at < t <= at + window]
+    return max((b - max(a, at) for a, b in zip(points, points[1:])), default=0.0) * 1000
+
+
 def kv_blocks_in_use(metrics_url: str) -> int:
     """KV blocks an engine holds for requests (cached-but-free blocks are not counted):
     its usage fraction times its block count, from its Prometheus metrics."""
@@ -150,7 +160,8 @@ class Chaos:
 
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        self.rng = random.Random(a.seed)
+        self.rng = random.Random(a.seed)            # the faults
+        self.load_rng = random.Random(a.seed + 1)   # which prompt each stream sends
         self.prompts = _prompts(a.prompts, a.seed)
         self.stack = PdserveStack("chaos", a.model, local_prefill_below=0,
                                   hw=Hardware(units=tuple(sorted(os.sched_getaffinity(0)))),
@@ -161,9 +172,11 @@ class Chaos:
         self.faults: list[Fault] = []
         self.stopped: set[int] = set()
         self.t0 = 0.0
+        self.baseline: dict[str, float] = {}    # the edge's counters when last read
+        self.banked: dict[str, float] = {}      # what it counted, across its restarts
 
     def workers(self) -> dict[str, int]:
-        """Worker id -> PID of its process now (a restarted worker has a new one)."""
+        """Worker id (and "edge") -> PID of its process now (a restarted one has a new one)."""
         import psutil
         up = psutil.Process(self.stack.children.procs[0][0].pid)
         out = {}
@@ -174,6 +187,8 @@ class Chaos:
                 continue
             if "--worker-id" in cmd:
                 out[cmd[cmd.index("--worker-id") + 1]] = child.pid
+            elif "edge" in cmd:
+                out["edge"] = child.pid
         return out
 
     def health(self) -> tuple[bool, set[str]]:
@@ -204,7 +219,7 @@ class Chaos:
         async def client() -> None:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
                 while time.monotonic() < until:
-                    s = Stream(self.rng.randrange(len(self.prompts)), time.monotonic())
+                    s = Stream(self.load_rng.randrange(len(self.prompts)), time.monotonic())
                     self.streams.append(s)
                     await _stream(http, self.url, self.a.model, self.prompts[s.prompt],
                                   self.a.max_tokens, s)
@@ -217,21 +232,22 @@ class Chaos:
         down (killed, stopped or draining, until it serves again)."""
         kinds = self.a.faults.split(",")
         down: dict[str, float] = {}             # victim -> when it may count as back
-        conts = []
         await asyncio.sleep(self.a.first_fault)
         while time.monotonic() < until - 3:
-            _, serving = self.health()
+            ok, serving = self.health()
+            serving |= {"edge"} if ok else set()
             now = time.monotonic()
             for w in [w for w, t in down.items() if now > t and w in serving]:
                 del down[w]
             pools_hit = {w.split("-")[0] for w in down}
+            kind = self.rng.choice(kinds)
             victims = {w: pid for w, pid in self.workers().items()
-                       if w.split("-")[0] not in pools_hit}
+                       if w.split("-")[0] not in pools_hit and (w == "edge") == (kind == "edge")}
             if not victims:
                 await asyncio.sleep(0.5)
                 continue
             victim = self.rng.choice(sorted(victims))
-            kind, pid = self.rng.choice(kinds), victims[victim]
+            pid = victims[victim]
             self.faults.append(Fault(now, victim, kind))
             down[victim] = now + 3.0 + (self.a.stop_seconds if kind == "stop" else 0)
             print(f"chaos: {kind} {victim} (pid {pid}) at {now - self.t0:.1f} s",
@@ -239,9 +255,10 @@ class Chaos:
             if kind == "stop":
                 os.kill(pid, signal.SIGSTOP)
                 self.stopped.add(pid)
-                conts.append(asyncio.get_running_loop().call_later(
-                    self.a.stop_seconds, self._cont, pid))
-            else:
+                asyncio.get_running_loop().call_later(self.a.stop_seconds, self._cont, pid)
+            else:                               # kill; term and edge: a drain
+                if victim == "edge":            # its counters restart with it
+                    self._bank_counters()
                 os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGTERM)
             await asyncio.sleep(self.rng.uniform(1.0, self.a.gap))
 
@@ -253,7 +270,7 @@ class Chaos:
     async def run(self) -> dict:
         self.url = self.stack.start()[0]
         refs = await self.reference()
-        counters = self._edge_counters()
+        self.baseline = self._edge_counters()
         self.t0 = time.monotonic()
         until = self.t0 + self.a.duration
         await asyncio.gather(self.load(until), self.inject(until))
@@ -262,8 +279,16 @@ class Chaos:
         deadline = time.monotonic() + 300
         while not self.serving() and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
-        after = self._edge_counters()
-        return self._report(refs, {k: after[k] - counters[k] for k in after})
+        self._bank_counters()
+        return self._report(refs, self.banked)
+
+    def _bank_counters(self) -> None:
+        """Add what the edge counted since the baseline to `banked` (before the edge
+        restarts, and at the end)."""
+        now = self._edge_counters()
+        for k, v in now.items():
+            self.banked[k] = self.banked.get(k, 0) + v - self.baseline.get(k, 0)
+        self.baseline = {}
 
     def _edge_counters(self) -> dict[str, float]:
         metrics = f"{self.url}/metrics"
@@ -293,12 +318,10 @@ class Chaos:
             if not f.victim.startswith("decode"):
                 continue
             for s in accepted:
-                # A stream the victim was serving (it started there, and had not ended):
-                # from the fault to its next event.
-                after = [t for t in s.times if t > f.at]
-                if s.worker == f.victim and s.started < f.at and after:
+                # A stream the victim was serving (it started there, and had not ended).
+                if s.worker == f.victim and s.started < f.at and s.times[-1] > f.at:
                     (kill_gaps if f.kind == "kill" else stall_gaps).append(
-                        (after[0] - f.at) * 1000)
+                        _silence_ms(s.times, f.at))
         blocks, leases = self._leaks()
 
         def pct(xs: list[float], q: int) -> float | None:
@@ -320,6 +343,7 @@ class Chaos:
                        for f in self.faults],
             "leaked_blocks": blocks, "open_leases": leases,
             "continue_p50_ms": pct(kill_gaps, 50), "continue_p99_ms": pct(kill_gaps, 99),
+            "continue_samples": len(kill_gaps), "stall_continue_samples": len(stall_gaps),
             "stall_continue_p50_ms": pct(stall_gaps, 50),
             "stall_continue_p99_ms": pct(stall_gaps, 99),
             "lost_errors": sorted({s.error for s in accepted if s not in completed})[:5],
