@@ -29,6 +29,12 @@ async def _router(stack, prefills: list[tuple[str, str]]):
     return server
 
 
+def _greedy(stack, request_id: str, ids: list[int]) -> Generation:
+    return Generation(request_id=request_id, model=stack.model, prompt_token_ids=ids,
+                      sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                         ignore_eos=True))
+
+
 async def test_unreachable_prefill_falls_back_to_local_prefill(stack, reference, model_dir):
     # Two prefill workers nothing listens on: both are tried, then local prefill.
     server = await _router(stack, [("dead-prefill-0", f"127.0.0.1:{free_port()}"),
@@ -39,10 +45,7 @@ async def test_unreachable_prefill_falls_back_to_local_prefill(stack, reference,
     case = next(c for c in CASES if c.kind == "completion")
     ids = tokenizer.encode(case.payload["prompt"])
     try:
-        stream = await orchestrator.start(Generation(
-            request_id="fallback-1", model=stack.model, prompt_token_ids=ids,
-            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                               ignore_eos=True)))
+        stream = await orchestrator.start(_greedy(stack, "fallback-1", ids))
         assert stream.path == "local" and stream.stats["prefill_fallback"]
         assert orchestrator.prefill_fallbacks == 1 and orchestrator.prefill_failovers == 1
         text = "".join([chunk.text async for chunk in stream.chunks()])
@@ -65,10 +68,7 @@ async def test_a_dead_prefill_worker_fails_over_to_a_live_one(stack, reference, 
         # Idle prefill workers take turns: within two requests the dead one is picked
         # first at least once, and that request moves on to the live one.
         for n in range(2):
-            stream = await orchestrator.start(Generation(
-                request_id=f"failover-{n}", model=stack.model, prompt_token_ids=ids,
-                sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                   ignore_eos=True)))
+            stream = await orchestrator.start(_greedy(stack, f"failover-{n}", ids))
             assert stream.path == "disaggregated"
             assert stream.stats["prefill_worker"] == "real-prefill"
             text = "".join([chunk.text async for chunk in stream.chunks()])
