@@ -17,7 +17,8 @@ def _errors(*codes: int) -> dict:
 _REASONS = {400: "invalid request", 401: "missing or wrong API key", 404: "not found",
             410: "the events asked for are no longer kept", 413: "request body too large",
             429: "rate limit (Retry-After, x-ratelimit-* headers)",
-            503: "no room (queue full, wait over, draining) or no worker (Retry-After)"}
+            503: "no room (queue full, wait over, draining) or no worker (Retry-After)",
+            504: "the request's budget (x-pdserve-timeout-ms) ran out"}
 
 _SAMPLING = {
     "model": {"type": "string"},
@@ -45,7 +46,18 @@ _GENERATION = {
             "number, header x-pdserve-stream-id)",
             "content": {"application/json": {"schema": {"type": "object"}},
                         "text/event-stream": {"schema": {"type": "string"}}}},
-    **_errors(400, 401, 404, 413, 429, 503)}
+    **_errors(400, 401, 404, 413, 429, 503, 504)}
+
+# Headers a generation request may carry.
+_GENERATION_HEADERS = [
+    {"name": "x-session-id", "in": "header", "required": False,
+     "description": "keeps a conversation's turns on the decode worker holding its KV",
+     "schema": {"type": "string", "maxLength": 256}},
+    {"name": "x-pdserve-timeout-ms", "in": "header", "required": False,
+     "description": "the request's budget (at most the edge's 600 s): every hop's deadline "
+                    "comes from it; past it, 504 deadline_exceeded (or an error event)",
+     "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"}},
+]
 
 _STREAM_ID = {"name": "stream_id", "in": "path", "required": True,
               "schema": {"type": "string", "maxLength": 128}}
@@ -64,7 +76,7 @@ SPEC = {
     "security": [{"bearer": []}],
     "paths": {
         "/v1/chat/completions": {"post": {
-            "operationId": "chat",
+            "operationId": "chat", "parameters": _GENERATION_HEADERS,
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["model", "messages"],
                 "properties": {**_SAMPLING, "max_completion_tokens": _SAMPLING["max_tokens"],
@@ -77,7 +89,7 @@ SPEC = {
                                                           "content": {"type": "string"}}}}}}}}},
             "responses": _GENERATION}},
         "/v1/completions": {"post": {
-            "operationId": "completion",
+            "operationId": "completion", "parameters": _GENERATION_HEADERS,
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["model", "prompt"],
                 "properties": {**_SAMPLING, "prompt": {"oneOf": [
