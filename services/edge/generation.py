@@ -99,10 +99,14 @@ class DecodeLeg:
     leases: transfer_pb2_grpc.KVTransferStub | None = None
     started: bool = False                       # its first output came
     pulled: bool = False                        # ...and it had pulled the prefill's blocks
+    abandoned: bool = False
 
     def abandon(self, running: set, why: str) -> None:
-        """Drop the leg everywhere it lives: the decode engine's request, and the
+        """Drop the leg everywhere it lives, once: the decode engine's request, and the
         prefill's lease if the decode never got to pull it."""
+        if self.abandoned:
+            return
+        self.abandoned = True
         in_background(self.stub.Abort(vllm_engine_pb2.AbortRequest(
             request_ids=[self.request_id]), timeout=2.0), running)
         self.end_lease(running, why)
