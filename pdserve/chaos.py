@@ -292,7 +292,7 @@ class Chaos:
 
     def _edge_counters(self) -> dict[str, float]:
         metrics = f"{self.url}/metrics"
-        return {name: metric_sum(metrics, f"pdserve_{name}_total")
+        return {name: metric_sum(metrics, f"pdserve:{name}_total")
                 for name in ("migrations", "prefill_failovers", "prefill_fallbacks")}
 
     def _leaks(self) -> tuple[int, int]:

@@ -13,11 +13,11 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 
+from pdserve import telemetry
 from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterConfig, WorkerConfig
 
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
@@ -138,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default=_env("PDSERVE_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-format", choices=["text", "json"],
+                   default=_env("PDSERVE_LOG_FORMAT", "text"),
+                   help="json: one object a line, with the trace id of the request it is about")
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start router, prefill, decode and edge on this machine")
@@ -161,8 +164,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--gateway-cpus", default="",
                     help="cores for the edge and router (default: any)")
     up.add_argument("--worker-metrics-port", type=int, default=0,
-                    help="serve each worker's vllm:* metrics, prefill first, counting up from "
-                         "here (0: off)")
+                    help="serve each worker's vllm:* and pdserve:kv_* metrics, prefill first, "
+                         "counting up from here (0: off)")
+    up.add_argument("--router-metrics-port", type=int, default=0,
+                    help="serve the router's pdserve:router_* metrics here (0: off)")
     up.add_argument("--prefill-gpus", default="0", help="CUDA_VISIBLE_DEVICES of prefill (cuda)")
     up.add_argument("--decode-gpus", default="1", help="CUDA_VISIBLE_DEVICES of decode (cuda)")
     _add_engine_flags(up)
@@ -174,6 +179,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--worker-timeout", type=float, default=6.0)
     r.add_argument("--cpus", default="", help="cores to run on (default: any)")
+    r.add_argument("--metrics-port", type=int, default=0,
+                   help="serve the router's pdserve:router_* metrics over HTTP on this port "
+                        "(0: off)")
     _add_placement_flags(r)
     for role in ("prefill", "decode"):
         r.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
@@ -244,7 +252,10 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     """vLLM and UCX read these from the process environment, before vllm is imported."""
     from transfer.connector import engine_kv_env
 
-    os.environ.update(engine_kv_env(cfg.kv))
+    env = engine_kv_env(cfg.kv)
+    # An operator's UCX device (a pod's eth0, between pods) wins; loopback fits one machine.
+    env["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", env["UCX_NET_DEVICES"])
+    os.environ.update(env)
     if cfg.engine.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, cfg.engine.kv_cache_bytes >> 30))
         if cpus:
@@ -270,6 +281,7 @@ def _config(a: argparse.Namespace):
                             worker_timeout_seconds=a.worker_timeout, balance=a.balance,
                             local_cached_fraction=a.local_cached_fraction,
                             prefill_saturated=a.prefill_saturated,
+                            metrics_port=a.metrics_port,
                             static_workers=tuple([("prefill", w) for w in a.prefill_worker]
                                                  + [("decode", w) for w in a.decode_worker]))
     if a.command in ("prefill", "decode"):
@@ -305,8 +317,10 @@ def main(argv: list[str] | None = None) -> None:
         from pdserve.chaos import main as chaos_main    # cannot start with an option)
         sys.exit(chaos_main(argv[1:]))
     a = _parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {a.command:>7} %(levelname)s %(name)s: %(message)s")
+    telemetry.configure_logging(a.command, a.log_level, a.log_format)
+    if a.command in ("router", "prefill", "decode", "edge"):
+        # Tracing (OTEL_* environment) before any gRPC server or channel exists.
+        telemetry.setup(f"pdserve-{a.command}")
     try:
         cfg = _config(a)
     except ValueError as e:

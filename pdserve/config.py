@@ -116,9 +116,11 @@ class RouterConfig:
     balance: float = 1.25                # no decode worker over this x the mean load
     local_cached_fraction: float = 0.8   # decode worker holds this much of the prompt: local
     prefill_saturated: int = 2           # requests in flight that make a prefill worker full; 0 off
+    metrics_port: int = 0                # its pdserve:router_* series over HTTP; 0 = off
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        _check_port("metrics_port", self.metrics_port)
         if self.local_prefill_below_tokens < 0:
             raise ValueError("local_prefill_below_tokens must be >= 0")
         for role, address in self.static_workers:

@@ -13,6 +13,8 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve import telemetry
+
 # Keepalive: detect a dead peer in ~20 s instead of waiting on TCP timeouts;
 # long token streams stay open for minutes, so pings must be allowed without
 # active calls as well.
@@ -43,7 +45,8 @@ class Server:
 
     def __init__(self, host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None],
                  service_names: list[str]):
-        self.server = grpc.aio.server(options=_SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=_SERVER_OPTIONS,
+                                     interceptors=telemetry.server_interceptors())
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -80,7 +83,9 @@ _RECONNECT = [
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """An insecure channel with keepalive, quick reconnects and the retry policy above."""
+    """An insecure channel with keepalive, quick reconnects and the retry policy above;
+    calls carry the caller's trace when tracing is on."""
     return grpc.aio.insecure_channel(
         address, options=_KEEPALIVE + _RECONNECT + [("grpc.service_config", _SERVICE_CONFIG),
-                                                    ("grpc.enable_retries", 1)])
+                                                    ("grpc.enable_retries", 1)],
+        interceptors=telemetry.client_interceptors() or None)

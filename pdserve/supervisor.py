@@ -85,7 +85,8 @@ def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
 def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[str], dict]]:
     """Router, every worker, edge. Worker k (prefill first, then decode) gets NIXL
     side-channel port --kv-port + k and metrics port --worker-metrics-port + k."""
-    me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level]
+    me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level,
+          "--log-format", a.log_format]
     router = f"127.0.0.1:{a.router_port}"
     units = _placement(a, eng)
     workers = []
@@ -108,7 +109,10 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     # to the prefill core measured a worse TTFT (its per-token wake-ups then
     # delay every prefill; bench/README.md).
     gateway_pin = ["--cpus", a.gateway_cpus] if a.gateway_cpus else []
-    return [("router", me + ["router", "--port", str(a.router_port)] + gateway_pin + placement,
+    router_metrics = (["--metrics-port", str(a.router_metrics_port)]
+                      if a.router_metrics_port else [])
+    return [("router", me + ["router", "--port", str(a.router_port)] + gateway_pin + placement
+             + router_metrics,
              {}),
             *workers,
             ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),

@@ -19,18 +19,13 @@ as vLLM would take them.
 from __future__ import annotations
 
 import grpc
-from prometheus_client import Counter
 
 from pdserve.rpc import channel
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 
 from .connector import PREFILL_ADDRESS
+from .metrics import FAILURES
 
-FAILURES = Counter("pdserve:kv_transfer_failures", "KV pulls replaced by local prefill",
-                   ["reason"])
-REASONS = ("lease_gone", "prefill_unreachable", "claim_failed")
-for _reason in REASONS:
-    FAILURES.labels(_reason)                    # every series exists from the start
 
 
 class LeaseClaims:

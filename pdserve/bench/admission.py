@@ -355,11 +355,11 @@ def _scrape(url: str) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {"wait_bucket": {}, "wait": {}, "rejections": {}}
     for family in text_string_to_metric_families(body):
         for s in family.samples:
-            if s.name == "pdserve_queue_wait_seconds_bucket":
+            if s.name == "pdserve:request_queue_time_seconds_bucket":
                 out["wait_bucket"][s.labels["le"]] = s.value
-            elif s.name in ("pdserve_queue_wait_seconds_count", "pdserve_queue_wait_seconds_sum"):
+            elif s.name in ("pdserve:request_queue_time_seconds_count", "pdserve:request_queue_time_seconds_sum"):
                 out["wait"][s.name.rsplit("_", 1)[1]] = s.value
-            elif s.name == "pdserve_rejections_total":
+            elif s.name == "pdserve:rejections_total":
                 out["rejections"][s.labels["reason"]] = s.value
     return out
 

@@ -11,7 +11,10 @@ after another, in the same run:
   one worker, or as few more as the open-file limit needs for two sockets per
   stream), configured and started here in a temporary prefix;
 - `edge`: through `pdserve edge` and `pdserve router`, the source as the router's
-  static decode worker (prompts are short: the decode worker prefills).
+  static decode worker (prompts are short: the decode worker prefills);
+- `traced`: the same with tracing on: every request's spans exported over OTLP
+  to a collector in this process. `tracing` compares it with `edge`: the cost of
+  tracing per token (target: under 5% added latency).
 
 The load comes from separate client processes (uvloop, raw asyncio streams, a
 minimal HTTP/1.1 + SSE reader): a token's latency is its arrival time minus its
@@ -36,7 +39,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PATHS = ("direct", "nginx", "edge")
+from .otlp_collector import Collector
+
+PATHS = ("direct", "nginx", "edge", "traced")
 NGINX = "/usr/sbin/nginx"
 PROMPT = "hello"
 _TEXT = re.compile(rb'"text":\s*"([^"]*)"')   # a completion chunk's text
@@ -277,18 +282,18 @@ class _Deployment:
                           str(prefix / "error.log"), "-g", "daemon off;"], {})
         self.nginx.wait_healthy([f"http://127.0.0.1:{port}/health"])
 
-    def start_edge(self) -> None:
+    def start_edge(self, env: dict | None = None) -> None:
         from .deployments import free_port
         self.ports |= {"router": free_port(), "edge": free_port(), "edge_grpc": free_port()}
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
         self.router = self._children("edge-router")
         self.router.start([*cli, "router", "--port", str(self.ports["router"]),
-                           "--decode-worker", f"127.0.0.1:{self.ports['grpc']}"], {})
+                           "--decode-worker", f"127.0.0.1:{self.ports['grpc']}"], env or {})
         self.edge = self._children("edge-edge")
         self.edge.start([*cli, "edge", "--router", f"127.0.0.1:{self.ports['router']}",
                          "--port", str(self.ports["edge"]), "--grpc-port",
                          str(self.ports["edge_grpc"]), "--model", self.model,
-                         "--min-prefill-workers", "0"], {})
+                         "--min-prefill-workers", "0"], env or {})
         self.edge.wait_healthy([f"http://127.0.0.1:{self.ports['edge']}/health"])
 
     @staticmethod
@@ -309,7 +314,8 @@ class _Deployment:
         if name == "nginx":
             logs = [self.tmp / "nginx" / "error.log"]
         else:
-            procs = {"direct": [self.source], "edge": [self.edge, self.router]}[name]
+            procs = {"direct": [self.source], "edge": [self.edge, self.router],
+                     "traced": [self.edge, self.router]}[name]
             logs = [log for c in procs if c for _, log in c.procs]
         seen: Counter = Counter()
         for log in logs:
@@ -517,6 +523,9 @@ def targets(result: dict) -> dict:
     """The issue's targets this run's settings speak to (others are left out)."""
     st, edge, nginx = result["settings"], result.get("edge"), result.get("nginx")
     out = {}
+    tracing = result.get("tracing")
+    if tracing and tracing["latency_p50_ratio"] is not None and st["streams"] >= 100:
+        out["tracing_latency_p50_le_1.05x"] = tracing["latency_p50_ratio"] <= 1.05
     if edge and st["streams"] >= 10_000:
         out["edge_10k_streams_0_errors"] = edge["errors"] == 0 and edge["streams_held"] >= 10_000
         out["edge_rss_le_1_gib"] = result["edge_rss_mib"] <= 1024
@@ -561,12 +570,19 @@ def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
                 _note_errors(dep, name, sections[name])
                 dep.stop_nginx()
             else:
-                progress("starting pdserve router + edge")
-                dep.start_edge()
-                sections[name] = measure(name, st, dep.ports["edge"], model, tmp,
-                                         _Deployment.pids(dep.edge), source, source_url)
-                _note_errors(dep, name, sections[name])
-                dep.stop_edge()
+                traced = name == "traced"
+                progress(f"starting pdserve router + edge{' (tracing on)' if traced else ''}")
+                collector = Collector() if traced else None
+                try:
+                    dep.start_edge(_tracing_env(collector) if traced else None)
+                    sections[name] = measure(name, st, dep.ports["edge"], model, tmp,
+                                             _Deployment.pids(dep.edge), source, source_url)
+                    _note_errors(dep, name, sections[name])
+                    dep.stop_edge()                 # flushes the last spans
+                finally:
+                    if collector:
+                        sections[name]["spans_exported"] = len(collector.spans)
+                        collector.stop()
     finally:
         dep.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -578,8 +594,25 @@ def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
               "streams": st.streams, "rate": st.rate, "duration": st.duration,
               **sections,
               "edge_rss_mib": sections["edge"]["proxy_rss_mib"] if "edge" in sections else None}
+    if "edge" in sections and "traced" in sections:
+        result["tracing"] = tracing_cost(sections["edge"], sections["traced"])
     result["targets"] = targets(result)
     return result
+
+
+def _tracing_env(collector: Collector) -> dict:
+    """Tracing on, every request sampled, spans batched to `collector` as in production."""
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on"}
+
+
+def tracing_cost(off: dict, on: dict) -> dict:
+    """Tracing on vs off, per token: latency quantiles and the edge's CPU, as ratios."""
+    ratio = lambda a, b: round(a / b, 3) if a is not None and b else None  # noqa: E731
+    return {"latency_p50_ratio": ratio(on["latency_p50_ms"], off["latency_p50_ms"]),
+            "latency_p99_ratio": ratio(on["latency_p99_ms"], off["latency_p99_ms"]),
+            "cpu_per_token_ratio": ratio(on["cpu_s_per_1k_tokens"], off["cpu_s_per_1k_tokens"]),
+            "spans_exported": on.get("spans_exported", 0)}
 
 
 def table(result: dict) -> str:
@@ -593,6 +626,8 @@ def table(result: dict) -> str:
         if name in result:
             lines.append(f"{name:<8}" + "".join(f"{str(result[name][k]):>24}" for k in keys))
     lines.append(f"edge peak RSS: {result['edge_rss_mib']} MiB")
+    if "tracing" in result:
+        lines.append(f"tracing on vs off: {result['tracing']}")
     lines += [f"  target {k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()]
     return "\n".join(lines)
 

@@ -137,7 +137,7 @@ def _decode_cache(urls: list[str]) -> tuple[float, float]:
 
 def _placements(edge: str) -> dict[str, float]:
     """pdserve's placements so far, by the router's reason (the edge's counter)."""
-    return {r: metric_sum(f"{edge}/metrics", "pdserve_placements_total", f'reason="{r}"')
+    return {r: metric_sum(f"{edge}/metrics", "pdserve:placements_total", f'reason="{r}"')
             for r in REASONS}
 
 

@@ -20,6 +20,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve import genai, telemetry
 from pdserve.config import EdgeConfig
 from pdserve.v1 import common_pb2
 
@@ -142,7 +143,7 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
         rate_headers = request.app[LIMITS].take(request[CALLER], len(ids) + max_tokens)
         gen = Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
                          sampling=_sampling(req.sampling, max_tokens),
-                         session_id=_session_key(request, req), deadline=deadline)
+                         session_id=_session_key(request, req), deadline=deadline, kind=kind)
         stream = await place(request.app, request[CALLER], gen, started)
     except oai.APIError as e:
         metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
@@ -154,13 +155,28 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
 async def place(app: web.Application, key: APIKey, gen: Generation, started: float
                 ) -> GenerationStream:
     """Wait for room in the pool, then route and prefill; counted from here on
-    (HTTP, WebSocket and Inference gRPC alike)."""
-    ticket = await app[ADMISSION].admit(key)
+    (HTTP, WebSocket and Inference gRPC alike). The generation's span starts here
+    and ends with it (`_generation_ended`)."""
+    span = telemetry.span(genai.span_name(gen.kind, gen.model), attributes={
+        **genai.request_attributes(gen.kind, gen.model, len(gen.prompt_token_ids),
+                                   gen.sampling),
+        "pdserve.request.id": gen.request_id, "pdserve.tenant": key.tenant})
+    ticket = None
     try:
-        stream = await app[ORCH].start(gen)
-    except BaseException:
-        ticket.release()
+        with telemetry.current(span):
+            admit = telemetry.span("admit")
+            try:
+                ticket = await app[ADMISSION].admit(key)
+            finally:
+                telemetry.end(admit, None if ticket else "refused",
+                              pdserve__queue_seconds=ticket.waited if ticket else 0.0)
+            stream = await app[ORCH].start(gen)
+    except BaseException as e:
+        if ticket is not None:
+            ticket.release()
+        telemetry.end(span, e)
         raise
+    stream.span = span
     stream.stats["ticket"] = ticket
     admitted(app, stream, started)
     return stream
@@ -228,6 +244,16 @@ def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
     metrics.e2e.labels(cfg.name, stream.path).observe(time.perf_counter() - started)
     if stream.first_token_at is not None:
         metrics.ttft.labels(cfg.name, stream.path).observe(stream.first_token_at - started)
+    itl = metrics.itl.labels(cfg.name, stream.path)
+    for gap in stream.token_gaps:
+        itl.observe(gap)
+    telemetry.end(stream.span, None if stream.finish_reason else "ended early",
+                  pdserve__path=stream.path, pdserve__placement=stream.stats["placement"],
+                  pdserve__decode_worker=stream.decode_worker,
+                  pdserve__migrations=len(stream.migrations),
+                  attributes=genai.response_attributes(stream.gen.request_id, stream.gen.model,
+                                                       stream.completion_tokens,
+                                                       stream.finish_reason))
     log.info("request %s done: path=%s prompt=%d completion=%d finish=%s moves=%d %.0f ms",
              stream.gen.request_id, stream.path, len(stream.gen.prompt_token_ids),
              stream.completion_tokens, stream.finish_reason, len(stream.migrations),
@@ -251,6 +277,8 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
                            headers: dict) -> web.StreamResponse:
     """The client that asked reads its stream from the start, as SSE."""
     metrics, status = request.app[METRICS], "200"
+    span = telemetry.span("stream", parent=live.generation.span, attributes={
+        "pdserve.stream.id": live.stream_id, "pdserve.transport": "sse"})
     try:
         cfg = request.app[CONFIG]
         plain = request.headers.get(sse.PLAIN_HEADER, "").lower() == "plain"
@@ -267,6 +295,8 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
         raise
     finally:
         metrics.requests.labels(endpoint, live.generation.path, status).inc()
+        telemetry.end(span, None if status == "200" else f"HTTP {status}",
+                      http__response__status_code=int(status))
 
 
 def _last_event_id(request: web.Request) -> int:
@@ -380,9 +410,11 @@ async def _read_pool(app: web.Application):
 
 def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder) -> web.Application:
     """The aiohttp application; the caller owns the orchestrator's lifetime."""
+    telemetry.instrument_http()
     app = web.Application(middlewares=[_errors, _authenticate],
                           client_max_size=cfg.max_request_bytes)
-    app[CONFIG], app[ORCH], app[ENCODER], app[METRICS] = cfg, orchestrator, encoder, EdgeMetrics()
+    app[CONFIG], app[ORCH], app[ENCODER] = cfg, orchestrator, encoder
+    app[METRICS] = EdgeMetrics(cfg.name)
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[ADMISSION] = Admission(cfg.admission_queue, cfg.admission_wait_seconds, app[METRICS])
     if cfg.admission:                   # off: capacity stays unbounded, nothing to read

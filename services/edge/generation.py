@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
+from opentelemetry.trace import INVALID_SPAN, Span
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from pdserve import telemetry
 from pdserve.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
 
 from .detokenizer import TextStream
@@ -67,6 +69,7 @@ class Generation:
     sampling: common_pb2.SamplingParams
     session_id: str = ""
     deadline: float = 0.0               # time.monotonic() it must end by; 0 = the edge's default
+    kind: str = "completion"            # "chat" | "completion": the GenAI operation
 
     def remaining(self) -> float:
         """Seconds left of the request's budget; raises the deadline error at 0."""
@@ -143,11 +146,14 @@ class GenerationStream:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_at: float | None = None         # perf_counter() when the first token arrived
+    token_gaps: list[float] = field(default_factory=list)   # s between consecutive outputs
     stats: dict = field(default_factory=dict)
+    span: Span = INVALID_SPAN                   # the generation's trace span (telemetry.py)
     migrations: list[float] = field(default_factory=list)   # ms from failure to next leg
     failed: dict[str, float] = field(default_factory=dict)  # worker id -> when it failed us
     aborts: set = field(default_factory=set)    # in-flight Abort calls (kept referenced)
     _last_output: float = 0.0                   # loop.time() of the leg's last output
+    _last_token_at: float = 0.0                 # perf_counter() of the last output with tokens
     _stalled: bool = False
     _watchdog: asyncio.TimerHandle | None = None
 
@@ -192,7 +198,12 @@ class GenerationStream:
             sampling.max_tokens -= sent
         req = decode_request(leg.request_id, self.gen.prompt_token_ids + self.output_ids,
                              sampling, leg.prefill_params, leg.prefill_address)
-        call = leg.stub.Generate(req, timeout=self.gen.remaining())
+        span = telemetry.span("decode", parent=self.span, attributes={
+            "pdserve.worker.id": leg.worker_id, "pdserve.request.id": leg.request_id,
+            "pdserve.decode.pull": leg.prefill_params is not None})
+        error: BaseException | None = None
+        with telemetry.current(span):           # the call carries the decode span's context
+            call = leg.stub.Generate(req, timeout=self.gen.remaining())
         loop = asyncio.get_running_loop()
         self._last_output, self._stalled = loop.time(), False
         self._watch(call)
@@ -200,9 +211,10 @@ class GenerationStream:
             async for resp in call:
                 self._last_output = loop.time()
                 if not resp.HasField("chunk"):
+                    # The last message; the call ends right after it. Reading on to its
+                    # end lets the call close cleanly (and its trace span end).
                     self.finish_reason = resp.complete.finish_reason or "stop"
-                    yield Chunk([], self.text.finish(), self.finish_reason)
-                    return
+                    continue
                 c = resp.chunk
                 if not leg.started:
                     leg.started = True
@@ -214,8 +226,12 @@ class GenerationStream:
                         self._first_chunk(c.cached_tokens)
                 if not c.token_ids:
                     continue
+                now = time.perf_counter()
                 if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
+                    self.first_token_at = now
+                else:
+                    self.token_gaps.append(now - self._last_token_at)
+                self._last_token_at = now
                 self.output_ids.extend(c.token_ids)
                 text = self.text.add(c.token_ids)
                 if self.text.stop_string is not None:
@@ -224,14 +240,28 @@ class GenerationStream:
                     yield Chunk(list(c.token_ids), text, "stop")
                     return
                 yield Chunk(list(c.token_ids), text)
-        except asyncio.CancelledError:
+            if self.finish_reason is not None:
+                yield Chunk([], self.text.finish(), self.finish_reason)
+        except asyncio.CancelledError as e:
+            error = e
             if self._stalled and asyncio.current_task().cancelling() == 0:
-                raise _Stalled(f"decode worker {leg.worker_id} sent nothing for "
-                               f"{self._stall_limit():.1f} s") from None
+                error = _Stalled(f"decode worker {leg.worker_id} sent nothing for "
+                                 f"{self._stall_limit():.1f} s")
+                raise error from None
+            raise
+        except grpc.aio.AioRpcError as e:
+            if self.finish_reason is None:
+                error = e
+                raise
+            # The call failed after its last message: nothing is lost.
+            yield Chunk([], self.text.finish(), self.finish_reason)
+        except BaseException as e:
+            error = e
             raise
         finally:
             self._watchdog.cancel()
             call.cancel()                       # a no-op once the call has ended
+            telemetry.end(span, error, pdserve__decode__tokens=len(self.output_ids) - sent)
 
     def close(self) -> None:
         """End the prefill's lease if the decode never pulled it (the request ended
@@ -293,7 +323,8 @@ class GenerationStream:
         prompt = self.gen.prompt_token_ids + self.output_ids
         while True:
             try:
-                self.leg, _ = await self.place(self.gen, rid, prompt, self._excluded())
+                with telemetry.current(self.span):
+                    self.leg, _ = await self.place(self.gen, rid, prompt, self._excluded())
                 break
             except APIError as e:
                 if e.status != 503 or time.monotonic() >= wait_until:

@@ -1,63 +1,95 @@
-"""The edge's Prometheus metrics. vLLM-compatible names where vLLM has one."""
+"""The edge's Prometheus metrics: the end-to-end view, under `pdserve:`.
+
+Where vLLM has a series for the same quantity the edge's keeps vLLM's suffix and
+unit (`pdserve:time_to_first_token_seconds` beside each engine's
+`vllm:time_to_first_token_seconds`), so one scrape of both never mixes the
+edge's whole-request view with an engine's part of it. Latency series carry
+`path` (disaggregated or local).
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 2.5, 5.0)
 
 
 class EdgeMetrics:
     """One registry per edge app, so tests can run several apps in one process."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve_requests", "Completed requests",
+        self.requests = Counter("pdserve:requests", "Requests answered, by endpoint, path and "
+                                "HTTP status",
                                 ["endpoint", "path", "status"], registry=r)
-        self.running = Gauge("vllm:num_requests_running", "Requests streaming now",
+        self.running = Gauge("pdserve:num_requests_running", "Generations running now",
                              ["model_name"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
                               ["model_name", "path"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency",
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between two "
+                             "consecutive outputs of a generation, as the edge received them",
+                             ["model_name", "path"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "From arrival to the last "
+                             "token",
                              ["model_name", "path"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", ["model_name"],
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens", ["model_name"],
                                      registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens",
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens",
                                          ["model_name"], registry=r)
         self.kv_external_tokens = Counter(
-            "pdserve_kv_transferred_tokens", "Prompt tokens of P/D requests whose KV the "
+            "pdserve:kv_transferred_tokens", "Prompt tokens of P/D requests whose KV the "
             "decode worker did not compute: pulled from the prefill worker, or held already "
             "in its prefix cache (its vllm:external_prefix_cache_hits counts the pulled part)",
             ["model_name"], registry=r)
         self.placements = Counter(
-            "pdserve_placements", "Requests by the router's placement reason (remote, short, "
+            "pdserve:placements", "Requests by the router's placement reason (remote, short, "
             "cached, no-prefill, prefill-saturated)", ["model_name", "reason"], registry=r)
         self.prefill_fallbacks = Counter(
-            "pdserve_prefill_fallbacks", "Requests prefilled locally because remote prefill "
+            "pdserve:prefill_fallbacks", "Requests prefilled locally because remote prefill "
             "failed", ["model_name"], registry=r)
         self.prefill_failovers = Counter(
-            "pdserve_prefill_failovers", "Prefill legs retried on another prefill worker",
+            "pdserve:prefill_failovers", "Prefill legs retried on another prefill worker",
             ["model_name"], registry=r)
         self.migrations = Counter(
-            "pdserve_migrations", "Generations moved to another decode worker mid-stream "
+            "pdserve:migrations", "Generations moved to another decode worker mid-stream "
             "(its worker died, stalled or drained)", ["model_name"], registry=r)
         self.migration_seconds = Histogram(
-            "pdserve_migration_seconds", "From a decode leg's failure to the next leg placed",
+            "pdserve:migration_seconds", "From a decode leg's failure to the next leg placed",
             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_length = Gauge("pdserve_queue_length", "Requests waiting for admission",
+        self.queue_length = Gauge("pdserve:queue_length", "Requests waiting for admission",
                                   registry=r)
-        self.queue_wait = Histogram("pdserve_queue_wait_seconds", "Time each admitted request "
-                                    "waited in the admission queue", buckets=(
+        self.queue_wait = Histogram("pdserve:request_queue_time_seconds", "Time each admitted "
+                                    "request waited in the admission queue", buckets=(
                                         0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                                     registry=r)
-        self.rejections = Counter("pdserve_rejections", "Requests refused at admission "
+        self.rejections = Counter("pdserve:rejections", "Requests refused at admission "
                                   "(queue_full, wait, draining)", ["reason"], registry=r)
-        self.streams_open = Gauge("pdserve_streams_open", "Generations streaming on this edge",
+        self.streams_open = Gauge("pdserve:streams_open", "Generations streaming on this edge",
                                   registry=r)
         self.streams_ended = Counter(
-            "pdserve_streams_ended", "Streamed generations by how they ended (finished, "
+            "pdserve:streams_ended", "Streamed generations by how they ended (finished, "
             "cancelled, abandoned: no reader came back in the resume window, failed)",
             ["outcome"], registry=r)
-        self.stream_resumes = Counter("pdserve_stream_resumes", "Readers that joined or "
+        self.stream_resumes = Counter("pdserve:stream_resumes", "Readers that joined or "
                                       "resumed a stream by its id", ["transport"], registry=r)
-        self.streams_cut = Counter("pdserve_streams_cut", "Readers cut off for not reading "
+        self.streams_cut = Counter("pdserve:streams_cut", "Readers cut off for not reading "
                                    "(they may resume from the log)", ["transport"], registry=r)
+        self._every_series(model)
+
+    def _every_series(self, model: str) -> None:
+        """Create each labelled series at 0 before its first event, so a rate() over it
+        reads 0 instead of nothing (dashboards and alerts see a quiet edge as quiet)."""
+        for counter in (self.prefill_fallbacks, self.prefill_failovers, self.migrations,
+                        self.prompt_tokens, self.generation_tokens, self.kv_external_tokens):
+            counter.labels(model)
+        self.running.labels(model)
+        for reason in ("remote", "short", "cached", "no-prefill", "prefill-saturated"):
+            self.placements.labels(model, reason)
+        for reason in ("queue_full", "wait", "draining"):
+            self.rejections.labels(reason)
+        for outcome in ("finished", "cancelled", "abandoned", "failed"):
+            self.streams_ended.labels(outcome)
+        for transport in ("sse", "ws"):
+            self.stream_resumes.labels(transport)
+            self.streams_cut.labels(transport)

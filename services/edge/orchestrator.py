@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from pdserve import telemetry
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, router_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 
@@ -122,16 +123,42 @@ class Orchestrator:
 
     async def _route(self, gen: Generation, request_id: str, prompt: list[int],
                      exclude: set[str]) -> router_pb2.RouteDecision:
+        span = telemetry.span("route", attributes={"pdserve.request.id": request_id,
+                                                   "pdserve.prompt_tokens": len(prompt)})
         try:
-            return await self.router.Route(router_pb2.RouteRequest(
-                request_id=request_id, session_id=gen.session_id, model=gen.model,
-                prompt_tokens=len(prompt), prompt_token_ids=prompt,
-                exclude_workers=sorted(exclude)), timeout=min(5.0, gen.remaining()))
-        except grpc.aio.AioRpcError as e:
-            raise api_error(e, "router") from e
+            with telemetry.current(span):
+                decision = await self.router.Route(router_pb2.RouteRequest(
+                    request_id=request_id, session_id=gen.session_id, model=gen.model,
+                    prompt_tokens=len(prompt), prompt_token_ids=prompt,
+                    exclude_workers=sorted(exclude)), timeout=min(5.0, gen.remaining()))
+        except BaseException as e:
+            telemetry.end(span, e)
+            if isinstance(e, grpc.aio.AioRpcError):
+                raise api_error(e, "router") from e
+            raise
+        telemetry.end(span, pdserve__route__reason=decision.reason,
+                      pdserve__route__decode=decision.decode.worker_id,
+                      pdserve__route__prefill=decision.prefill.worker_id,
+                      pdserve__route__cached_tokens=decision.cached_tokens)
+        return decision
 
     async def _prefill(self, gen: Generation, request_id: str, prompt: list[int],
                        worker: router_pb2.WorkerInfo) -> tuple[dict[str, Any] | None, dict]:
+        """The prefill leg, traced as one span (the worker's call its child)."""
+        span = telemetry.span("prefill", attributes={"pdserve.worker.id": worker.worker_id,
+                                                     "pdserve.request.id": request_id})
+        try:
+            with telemetry.current(span):
+                params, leg = await self._prefill_leg(gen, request_id, prompt, worker)
+        except BaseException as e:
+            telemetry.end(span, e)
+            raise
+        telemetry.end(span, None if params else "failed: tried elsewhere",
+                      pdserve__kv__blocks=len((params or {}).get("remote_block_ids") or ()))
+        return params, leg
+
+    async def _prefill_leg(self, gen: Generation, request_id: str, prompt: list[int],
+                           worker: router_pb2.WorkerInfo) -> tuple[dict[str, Any] | None, dict]:
         """The prefill leg; (None, {}) when it fails for any reason but bad input or
         the request's own deadline (then it is aborted on the worker)."""
         stub = self._engine(worker.address)

@@ -7,14 +7,17 @@ over vLLM's engine protocol. Every worker's load is read with GetLoads.
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
+import prometheus_client
 
 from pdserve.config import RouterConfig
 from pdserve.lifecycle import until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
+from .metrics import RouterMetrics
 from .placement import NoWorkerError, Policy, place
 from .prefix_index import PrefixIndex
 from .registry import ROLE_NAMES, WorkerRegistry
@@ -35,6 +38,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                              prefill_saturated=cfg.prefill_saturated)
         self.index = PrefixIndex()                # kept by the workers' KV events
         self.on_join = lambda: None               # called when a new worker registers
+        self.metrics = RouterMetrics(self.registry)
 
     async def Register(self, request, context):
         w = request.worker
@@ -54,10 +58,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.DeregisterResponse()
 
     async def Route(self, request, context):
+        started = time.perf_counter()
         try:
             decision, decode, prefill = place(self.registry, request, self.policy, self.index)
         except NoWorkerError as e:
+            self.metrics.unplaced.inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        self.metrics.routed(decision.reason, started)
         for entry in (decode, prefill):
             if entry is not None:
                 self.registry.placed(entry)
@@ -85,6 +92,9 @@ async def serve(cfg: RouterConfig) -> None:
     service.on_join = probes.wake
     await server.start()
     probes.start()
+    if cfg.metrics_port:
+        prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host,
+                                            registry=service.metrics.registry)
     log.info("router listening on %s:%d (%d static workers)", cfg.host, server.port,
              len(cfg.static_workers))
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pdserve.config import EngineConfig, KVTransferConfig
 from transfer.connector import LEASE_EXTENSION, engine_kv_config
+from transfer.metrics import record_connector_stats
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ def _scheduler_snapshot():
     nothing. vLLM's servicer reads the engine's load (running, waiting, KV usage:
     GetLoads and the load record on the KV-event stream) from such a snapshot,
     and vLLM creates its own logging one only when its logger is at INFO; pdserve
-    runs vLLM at WARNING, which left every reported load at zero."""
+    runs vLLM at WARNING, which left every reported load at zero. It also feeds
+    the connector's transfer statistics to the worker's `pdserve:kv_*` series."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class SchedulerSnapshot(StatLoggerBase):
@@ -97,6 +99,8 @@ def _scheduler_snapshot():
                    engine_idx: int = 0):
             if scheduler_stats is not None:
                 self.last_scheduler_stats = scheduler_stats
+                if scheduler_stats.kv_connector_stats:
+                    record_connector_stats(scheduler_stats.kv_connector_stats)
 
         def log_engine_initialized(self):
             pass

@@ -15,10 +15,13 @@ import time
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from opentelemetry import trace
 from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 
+from pdserve import genai, telemetry
 from transfer.claim import LeaseClaims
 from transfer.connector import PREFILL_ADDRESS
+from transfer.metrics import HANDOVER_SECONDS
 
 from .engine import VllmEngine
 from .validation import prompt_problem, sampling_problem
@@ -54,9 +57,19 @@ class WorkerEngineServicer(VllmEngineServicer):
         started = time.perf_counter()
         n, prompt_tokens, cached, ended = 0, 0, 0, "cancelled"
         self.in_flight += 1
+        # A P/D decode: its handover (claim, pull, first step) is timed and traced.
+        pull = _pulls(request)
+        handover = telemetry.span("kv_transfer", attributes=pull) if pull else None
         try:
-            await self._claim(request)
+            if handover is None:
+                await self._claim(request)
+            else:
+                with telemetry.current(handover):
+                    await self._claim(request)
             async for resp in super().Generate(request, context):
+                if handover is not None:
+                    self._handed_over(handover, request, resp, started)
+                    handover = None
                 if resp.HasField("chunk"):
                     n += len(resp.chunk.token_ids)
                 else:
@@ -68,11 +81,29 @@ class WorkerEngineServicer(VllmEngineServicer):
                 yield resp
         finally:
             self.in_flight -= 1
+            if handover is not None:
+                telemetry.end(handover, error="ended before its first token")
+            if telemetry.enabled():
+                span = trace.get_current_span()     # the gRPC server span of this call
+                span.set_attributes(genai.usage_attributes(prompt_tokens, n, cached))
+                span.set_attributes({"pdserve.worker.id": self.worker_id,
+                                     "pdserve.finish_reason": ended})
             # "cancelled": the caller went away; vLLM aborted the request as the
             # cancellation passed through AsyncLLM.generate, freeing its blocks.
             log.info("generate %s on %s %s after %d tokens: %d prompt tokens (%d cached), "
                      "%.1f ms%s", request.request_id, self.worker_id, ended, n, prompt_tokens,
                      cached, (time.perf_counter() - started) * 1000, _kv_note(request))
+
+    @staticmethod
+    def _handed_over(span, request, resp, started: float) -> None:
+        """The first output of a P/D decode: the KV is in (pulled, or recomputed when
+        the claim refused it); `pdserve:kv_transfer_seconds` counts only pulls."""
+        pulled = request.HasField("kv_transfer_params_json")     # the claim kept it
+        if pulled:
+            HANDOVER_SECONDS.observe(time.perf_counter() - started)
+        cached = (resp.chunk.cached_tokens if resp.HasField("chunk")
+                  else resp.complete.cached_tokens)
+        telemetry.end(span, pdserve__kv__pulled=pulled, pdserve__kv__cached_tokens=cached)
 
     def _note_lease(self, params_json: str) -> None:
         lease = json.loads(params_json).get("remote_request_id")
@@ -107,6 +138,21 @@ class WorkerEngineServicer(VllmEngineServicer):
     async def Abort(self, request, context):
         log.info("abort %s on %s", ",".join(request.request_ids), self.worker_id)
         return await super().Abort(request, context)
+
+
+def _pulls(request) -> dict | None:
+    """The span attributes of a request that asks to pull a prefill's KV, else None."""
+    if not request.HasField("kv_transfer_params_json"):
+        return None
+    try:
+        params = json.loads(request.kv_transfer_params_json)
+    except ValueError:
+        return None
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    return {"pdserve.kv.lease_id": str(params.get("remote_request_id", "")),
+            "pdserve.kv.prefill_address": str(params.get(PREFILL_ADDRESS, "")),
+            "pdserve.kv.remote_blocks": len(params.get("remote_block_ids") or ())}
 
 
 def _kv_note(request) -> str:

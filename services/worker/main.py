@@ -64,7 +64,10 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         refresh = asyncio.create_task(leases.refresh(), name="lease-stats")
     if cfg.metrics_port:
         # vLLM's stat logger records the engine's vllm:* series into this process's
-        # default registry; serve them unchanged, as `vllm serve` does on /metrics.
+        # default registry; serve them unchanged, as `vllm serve` does on /metrics,
+        # with the worker's pdserve:kv_* series and who it is (dashboards join on it).
+        prometheus_client.Info("pdserve:worker", "This worker: its id, role and model").info(
+            {"worker_id": worker_id, "role": cfg.role, "model_name": cfg.engine.name})
         prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host)
     address = f"{cfg.advertise_host or cfg.host}:{server.port}"
     info = router_pb2.WorkerInfo(worker_id=worker_id, role=_ROLES[cfg.role], address=address,

@@ -64,6 +64,11 @@ def test_smoke_prints_the_contract_with_every_stream_held(tmp_path):
         assert 0 < s["latency_p50_ms"] <= s["latency_p99_ms"], name
         assert s["cpu_s_per_1k_tokens"] >= 0, name
     assert result["direct"]["added_p50_ms"] == result["direct"]["added_p99_ms"] == 0
+    # The traced edge exported every request's spans (the HTTP one, the generation, its
+    # steps, the router's) to the bench's collector; the cost is reported as ratios.
+    assert result["traced"]["spans_exported"] >= 20 * 5
+    assert result["edge"].get("spans_exported") is None
+    assert result["tracing"]["latency_p50_ratio"] > 0
     assert _left_behind(tag, tmp_path) == []
     assert _nginx_pids() <= nginx_before
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from cases import CASES
+from pdserve.bench.otlp_collector import Collector
 from support import Proc, free_port, free_port_run, pdserve_cmd
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -103,29 +104,39 @@ class Stack:
     decode: str
     decode_metrics: str                 # the decode engine's own vllm:* series
     prefill_metrics: str                # the prefill worker's vllm:* and pdserve:kv_* series
+    router_metrics: str                 # the router's pdserve:router_* series
+    traces: Collector                   # every process exports its spans here (OTLP)
 
 
 @pytest.fixture(scope="session")
 def stack(model_dir, reference) -> Stack:
     """`pdserve up` on free loopback ports; stopped (and checked) at session end."""
-    ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
+    ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode",
+                                      "router_metrics")}
     metrics = free_port_run(2)
+    traces = Collector()
+    # Tracing on, as an operator turns it on: the standard OTEL_* variables. Spans
+    # leave in batches every 200 ms, so a test sees a request's trace soon after it.
+    tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     proc = Proc(pdserve_cmd("up", "--port", str(ports["edge"]), "--grpc-port", str(ports["grpc"]),
                             "--router-port",
                             str(ports["router"]), "--prefill-port", str(ports["prefill"]),
                             "--decode-port", str(ports["decode"]),
                             "--kv-port", str(free_port_run(2)), "--model", str(model_dir),
                             "--worker-metrics-port", str(metrics),
+                            "--router-metrics-port", str(ports["router_metrics"]),
                             # Equality tests repeat prompts, and send 8 at once: keep them
                             # on the P/D path even when the decode worker holds them or the
                             # prefill worker is busy (placement has tests of its own).
                             "--local-cached-fraction", "1", "--prefill-saturated", "0"),
-                name="pdserve-up")
+                env=tracing, name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",
                   prefill=f"127.0.0.1:{ports['prefill']}", decode=f"127.0.0.1:{ports['decode']}",
                   decode_metrics=f"http://127.0.0.1:{metrics + 1}/metrics",
-                  prefill_metrics=f"http://127.0.0.1:{metrics}/metrics")
+                  prefill_metrics=f"http://127.0.0.1:{metrics}/metrics",
+                  router_metrics=f"http://127.0.0.1:{ports['router_metrics']}/metrics",
+                  traces=traces)
     try:
         proc.wait_for("pdserve ready", timeout=400)
         tree = proc.descendants()
@@ -134,6 +145,7 @@ def stack(model_dir, reference) -> Stack:
     finally:
         tree = proc.descendants()
         code = proc.stop(timeout=90)
+        traces.stop()
         # SIGKILL is asynchronous: give the kernel a moment to finish the stragglers.
         deadline = time.monotonic() + 10
         while (alive := _alive(tree)) and time.monotonic() < deadline:

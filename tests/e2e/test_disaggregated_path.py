@@ -49,7 +49,7 @@ def _metric(stack, name: str) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_streamed_text_equals_single_vllm_engine(stack, reference, case):
-    before = _metric(stack, "pdserve_kv_transferred_tokens_total")
+    before = _metric(stack, "pdserve:kv_transferred_tokens_total")
     text, usage, headers = _sse_stream(stack, case)
     ref = reference[case.name]
     assert headers["x-pdserve-path"] == "disaggregated"
@@ -58,7 +58,7 @@ def test_streamed_text_equals_single_vllm_engine(stack, reference, case):
     assert text == ref["text"]
     # The decode engine took the prompt's KV from the prefill worker instead
     # of computing it: every prompt token but the last (which it recomputes).
-    moved = _metric(stack, "pdserve_kv_transferred_tokens_total") - before
+    moved = _metric(stack, "pdserve:kv_transferred_tokens_total") - before
     assert usage["prompt_tokens"] - 1 <= moved <= usage["prompt_tokens"]
 
 

@@ -94,6 +94,6 @@ def test_service_still_works_after_bad_input(stack):
     assert code == 200 and resp["usage"]["completion_tokens"] >= 1
     with urllib.request.urlopen(f"{stack.url}/metrics", timeout=10) as r:
         metrics = r.read().decode()
-    rejected = re.findall(r'pdserve_requests_total\{endpoint="[^"]+",path="none",status="4\d\d"\} '
+    rejected = re.findall(r'pdserve:requests_total\{endpoint="[^"]+",path="none",status="4\d\d"\} '
                           r'(\S+)', metrics)
     assert sum(float(v) for v in rejected) >= len(BAD)

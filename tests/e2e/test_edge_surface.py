@@ -34,14 +34,14 @@ def test_health_reports_every_worker_serving(stack):
 def test_metrics_are_prometheus_text(stack):
     status, body, headers = _get(stack, "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    for name in ("pdserve_requests_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_count", "vllm:num_requests_running"):
+    for name in ("pdserve:requests_total", "pdserve:time_to_first_token_seconds_bucket",
+                 "pdserve:e2e_request_latency_seconds_count", "pdserve:num_requests_running"):
         assert name in body
 
 
 def _running(stack) -> float:
     _, body, _ = _get(stack, "/metrics")
-    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$",
+    return sum(float(v) for v in re.findall(r"^pdserve:num_requests_running\{[^}]*\} (\S+)$",
                                             body, re.M))
 
 
@@ -74,4 +74,4 @@ def test_client_disconnect_mid_stream_ends_the_request(stack):
     assert 3 <= int(hits[0].group(1)) < 1500
     assert time.monotonic() - started < 20
     _, body, _ = _get(stack, "/metrics")
-    assert re.search(r'pdserve_requests_total\{[^}]*status="499"\} 1\.0', body)
+    assert re.search(r'pdserve:requests_total\{[^}]*status="499"\} 1\.0', body)

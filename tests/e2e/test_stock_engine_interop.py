@@ -84,7 +84,7 @@ def test_router_lists_the_stock_engines_it_probed(stock_cluster):
 def test_pdserve_edge_over_stock_engines_equals_single_engine(stock_cluster, model_dir,
                                                               reference, case):
     url, procs = stock_cluster
-    before = metric_sum(f"{url}/metrics", "pdserve_kv_transferred_tokens_total")
+    before = metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total")
     path = "chat/completions" if case.kind == "chat" else "completions"
     req = urllib.request.Request(f"{url}/v1/{path}",
                                  data=json.dumps(case.body(str(model_dir), False)).encode(),
@@ -108,6 +108,6 @@ def test_pdserve_edge_over_stock_engines_equals_single_engine(stock_cluster, mod
     ref = reference[case.name]["usage"]
     assert body["usage"]["prompt_tokens"] == ref["prompt_tokens"]
     assert body["usage"]["completion_tokens"] == ref["completion_tokens"] == MAX_TOKENS
-    moved = metric_sum(f"{url}/metrics", "pdserve_kv_transferred_tokens_total") - before
+    moved = metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total") - before
     prompt = body["usage"]["prompt_tokens"]
     assert prompt - 1 <= moved <= prompt
