@@ -96,3 +96,16 @@ def parse_sse(raw: str) -> list[tuple[int | None, str]]:
         if data is not None:
             events.append((ident, data))
     return events
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie has ended)."""
+    import psutil
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out

@@ -361,8 +361,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 only when the router answers and every worker it knows is serving, and
-    the edge is not draining."""
+    """200 when the edge is not draining, the router answers and at least the minimum
+    prefill and decode workers serve ("degraded" when some worker it lists does not:
+    one dead worker must not take every edge out of its Service)."""
     cfg = request.app[CONFIG]
     if request.app[ADMISSION].draining:
         return web.json_response({"status": "draining"}, status=503)
@@ -375,11 +376,11 @@ async def health(request: web.Request) -> web.Response:
                "address": w.address, "serving": w.serving} for w in workers]
     serving = {r: sum(1 for w in workers if w.serving and w.role == r)
                for r in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE)}
-    ok = (all(w.serving for w in workers)
-          and serving[common_pb2.WORKER_ROLE_PREFILL] >= cfg.min_prefill_workers
+    ok = (serving[common_pb2.WORKER_ROLE_PREFILL] >= cfg.min_prefill_workers
           and serving[common_pb2.WORKER_ROLE_DECODE] >= cfg.min_decode_workers)
-    return web.json_response({"status": "ok" if ok else "unavailable", "workers": listed},
-                             status=200 if ok else 503)
+    status = ("unavailable" if not ok else
+              "ok" if all(w.serving for w in workers) else "degraded")
+    return web.json_response({"status": status, "workers": listed}, status=200 if ok else 503)
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ import pytest
 
 from cases import CASES
 from pdserve.bench.otlp_collector import Collector
-from support import Proc, free_port, free_port_run, pdserve_cmd
+from support import Proc, alive, free_port, free_port_run, pdserve_cmd
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
@@ -79,18 +79,6 @@ def reference(model_dir) -> dict[str, dict]:
         proc.stop(timeout=60)
 
 
-def _alive(pids: list[int]) -> list[int]:
-    import psutil
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 @dataclass
 class Stack:
     """A running `pdserve up` and where to reach its parts."""
@@ -148,7 +136,7 @@ def stack(model_dir, reference) -> Stack:
         traces.stop()
         # SIGKILL is asynchronous: give the kernel a moment to finish the stragglers.
         deadline = time.monotonic() + 10
-        while (alive := _alive(tree)) and time.monotonic() < deadline:
+        while (left := alive(tree)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not alive, f"processes left after shutdown: {alive}"
+        assert not left, f"processes left after shutdown: {left}"
         assert code == 0, f"pdserve up exited {code}:\n" + "\n".join(proc.lines[-40:])

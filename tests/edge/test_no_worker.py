@@ -1,12 +1,15 @@
-"""No decode worker serves: the router answers UNAVAILABLE, the edge 503 with Retry-After."""
+"""No worker serves: Route is UNAVAILABLE, the edge answers 503 with Retry-After; /health
+is ready while the minimum of workers serve, whatever else the router lists."""
 from __future__ import annotations
+
+import contextlib
 
 import aiohttp
 from aiohttp import web
 
 from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
-from pdserve.v1 import router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.edge.app import build_app
 from services.edge.orchestrator import Orchestrator
 from services.edge.prompts import PromptEncoder
@@ -14,12 +17,13 @@ from services.router.server import RouterService
 from support import free_port
 
 
-async def test_no_worker_is_503_with_retry_after(model_dir):
-    service = RouterService(RouterConfig(port=0))
+@contextlib.asynccontextmanager
+async def _edge(model_dir, service: RouterService, **options):
+    """A real router (serving `service`) and an edge in front of it; yields the edge's URL."""
     router = Server("127.0.0.1", 0, lambda s: router_pb2_grpc.add_RouterServicer_to_server(
         service, s), ["pdserve.v1.Router"])
     await router.start()
-    cfg = EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}")
+    cfg = EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}", **options)
     encoder = PromptEncoder(cfg.model)
     orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer)
     runner = web.AppRunner(build_app(cfg, orchestrator, encoder))
@@ -27,14 +31,40 @@ async def test_no_worker_is_503_with_retry_after(model_dir):
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
+        yield f"http://127.0.0.1:{port}", cfg
+    finally:
+        await runner.cleanup()
+        await orchestrator.close()
+        await router.stop(0)
+
+
+async def test_no_worker_is_503_with_retry_after(model_dir):
+    async with _edge(model_dir, RouterService(RouterConfig(port=0))) as (url, cfg):
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"http://127.0.0.1:{port}/v1/completions",
+            async with http.post(f"{url}/v1/completions",
                                  json={"model": cfg.name, "prompt": "hello"}) as r:
                 body = await r.json()
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
                 assert body["error"]["type"] == "service_unavailable"
                 assert "router" in body["error"]["message"]
-    finally:
-        await runner.cleanup()
-        await orchestrator.close()
-        await router.stop(0)
+
+
+async def test_health_stays_ready_while_the_minimum_of_workers_serve(model_dir):
+    """A dead worker still listed makes the edge "degraded", not unready: readiness of
+    every edge must not hang on one worker. Below the minimum it is 503."""
+    service = RouterService(RouterConfig(port=0))
+    decode = common_pb2.WORKER_ROLE_DECODE
+    for wid, serving in (("decode-0", True), ("decode-1", False)):
+        service.registry.register(router_pb2.WorkerInfo(
+            worker_id=wid, role=decode, address=f"127.0.0.1:{free_port()}", serving=serving))
+    async with _edge(model_dir, service, min_prefill_workers=0,
+                     min_decode_workers=1) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/health") as r:
+                body = await r.json()
+                assert r.status == 200 and body["status"] == "degraded"
+                assert {w["worker_id"]: w["serving"] for w in body["workers"]} == {
+                    "decode-0": True, "decode-1": False}
+            service.registry.deregister("decode-0")
+            async with http.get(f"{url}/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "unavailable"

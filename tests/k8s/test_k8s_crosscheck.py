@@ -1,0 +1,277 @@
+"""The manifests against the code: every pdserve command line parses with pdserve's own CLI,
+probes and Services reach ports the processes listen on and health services they register,
+and the NetworkPolicies allow exactly the architecture's flows."""
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+from k8s_manifests import (
+    OVERLAYS,
+    ROOT,
+    by_kind,
+    component,
+    keda_queries,
+    parse,
+    pods,
+    render,
+)
+
+from services.edge.openapi import SPEC
+
+SERVING = ("edge", "router", "prefill", "decode")
+
+
+def _processes(docs):
+    """component -> (Pod, Process of its main container)."""
+    return {name: (pod, parse(pod.main)) for name, pod in pods(docs).items()
+            if pod.main.argv[0] == "pdserve"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pdserve_container_parses_with_the_cli(overlay):
+    docs = render(overlay)
+    seen = set()
+    for name, pod in pods(docs).items():
+        for c in pod.containers:
+            argv = c.argv
+            assert "$(" not in " ".join(argv), f"{name}/{c.name}: unexpanded variable in {argv}"
+            if argv[0] == "pdserve":
+                seen.add(parse(c).command)   # SystemExit / ValueError / AssertionError fail
+            else:                             # the h100 helpers: python -c SCRIPT
+                assert argv[:2] == ["python", "-c"], f"{name}/{c.name}: runs {argv[0]}"
+                compile(argv[2], f"{name}/{c.name}", "exec")
+    assert set(SERVING) <= seen
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_reach_served_ports_and_registered_health_services(overlay):
+    for name, (pod, proc) in _processes(render(overlay)).items():
+        c = pod.main
+        assert c.spec.get("readinessProbe") and c.spec.get("livenessProbe"), name
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c.spec.get(kind)
+            if probe is None:
+                continue
+            where = f"{overlay} {name} {kind}"
+            if "grpc" in probe:
+                assert probe["grpc"]["port"] == proc.listens["grpc"], where
+                assert probe["grpc"].get("service", "") in proc.health_services, where
+            elif "httpGet" in probe:
+                assert c.port(probe["httpGet"]["port"]) == proc.listens["http"], where
+                assert probe["httpGet"]["path"] in SPEC["paths"], where
+            else:
+                assert c.port(probe["tcpSocket"]["port"]) in proc.listens.values(), where
+        if proc.command in ("prefill", "decode"):
+            # A draining worker sets every health service NOT_SERVING: liveness must not
+            # be one of them, or the kubelet would kill it mid-drain.
+            assert "tcpSocket" in c.spec["livenessProbe"], name
+            assert "grpc" in c.spec["startupProbe"], name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_declared_ports_are_exactly_the_listening_ones(overlay):
+    for name, (pod, proc) in _processes(render(overlay)).items():
+        assert sorted(pod.main.ports.values()) == sorted(proc.listens.values()), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_and_budgets_select_a_pod_template(overlay):
+    docs = render(overlay)
+    procs = _processes(docs)
+    for kind in ("Service", "PodDisruptionBudget"):
+        for sname, obj in by_kind(docs, kind).items():
+            selector = obj["spec"]["selector"]
+            selector = selector.get("matchLabels", selector) if kind != "Service" else selector
+            matched = [n for n, (pod, _) in procs.items()
+                       if selector and selector.items() <= pod.labels.items()]
+            assert len(matched) == 1, f"{kind} {sname} selects {matched}"
+            if kind == "Service":
+                pod, proc = procs[matched[0]]
+                for port in obj["spec"]["ports"]:
+                    target = pod.main.port(port.get("targetPort", port["port"]))
+                    assert target in proc.listens.values(), f"{sname}:{port}"
+    budgets = {component(b) for b in by_kind(docs, "PodDisruptionBudget").values()}
+    assert budgets == set(SERVING)
+
+
+def _ucx_range(pod) -> str:
+    return pod.main.env["UCX_TCP_PORT_RANGE"]
+
+
+def _architecture(procs, extra_pods) -> set[tuple[str, str, str]]:
+    """The flows the design needs (ARCHITECTURE.md, k8s/base/networkpolicy.yaml), from
+    the ports each process is configured to listen on."""
+    grpc = {n: f"TCP/{p.listens['grpc']}" for n, (_, p) in procs.items()}
+    metrics = {n: f"TCP/{p.listens['metrics']}" for n, (_, p) in procs.items()
+               if "metrics" in p.listens}
+    kv = f"TCP/{procs['prefill'][1].listens['kv']}"
+    ucx = {f"TCP/{_ucx_range(procs[w][0])}" for w in ("prefill", "decode")}
+    assert len(ucx) == 1, f"prefill and decode disagree on UCX_TCP_PORT_RANGE: {ucx}"
+    ucx = ucx.pop()
+    flows = {("anyone", "edge", f"TCP/{procs['edge'][1].listens['http']}"),
+             ("anyone", "edge", grpc["edge"])}
+    flows |= {("edge", w, grpc[w]) for w in ("router", "prefill", "decode")}
+    flows |= {(w, "router", grpc["router"]) for w in ("prefill", "decode")}
+    flows |= {("router", w, grpc[w]) for w in ("prefill", "decode")}
+    flows |= {("decode", "prefill", grpc["prefill"]), ("decode", "prefill", kv),
+              ("decode", "prefill", ucx), ("prefill", "decode", ucx)}
+    flows |= {("monitoring", n, port) for n, port in metrics.items()}
+    flows |= {(n, "kube-dns", proto) for n in list(procs) + extra_pods
+              for proto in ("UDP/53", "TCP/53")}
+    if "model-download" in extra_pods:       # h100: the one way out, to the model hub
+        flows.add(("model-download", "internet", "TCP/443"))
+    return flows
+
+
+def _peer(entry: dict, pod_labels: dict[str, dict]) -> list[str]:
+    """The components (or named outside parties) a from/to entry stands for."""
+    if "ipBlock" in entry:
+        assert entry["ipBlock"]["cidr"] == "0.0.0.0/0"
+        return ["internet"]
+    if "namespaceSelector" in entry:
+        ns = entry["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        pods_ = entry.get("podSelector", {}).get("matchLabels", {})
+        return {"monitoring": ["monitoring"]}.get(ns) or (
+            ["kube-dns"] if (ns, pods_) == ("kube-system", {"k8s-app": "kube-dns"}) else [ns])
+    sel = entry["podSelector"].get("matchLabels", {})
+    return [n for n, labels in pod_labels.items() if sel.items() <= labels.items()]
+
+
+def _ports(rule: dict, pod) -> list[str]:
+    out = []
+    for p in rule.get("ports", []):
+        port = p["port"]
+        if isinstance(port, str):                # a named port: the destination pod's
+            if pod is None:
+                continue                         # no such port there: allows nothing
+            if port not in pod.main.ports:
+                continue
+            port = pod.main.ports[port]
+        out.append(f"{p.get('protocol', 'TCP')}/{port}"
+                   + (f"-{p['endPort']}" if "endPort" in p else ""))
+    assert rule.get("ports"), f"a rule open on every port: {rule}"
+    return out
+
+
+def _allowed(docs) -> set[tuple[str, str, str]]:
+    """The flows the NetworkPolicies allow: in the namespace, a flow needs the source's
+    egress and the destination's ingress; across its edge, the one side that is ours."""
+    templates = pods(docs)
+    labels = {n: p.labels for n, p in templates.items()}
+    egress, ingress = set(), set()
+    for policy in by_kind(docs, "NetworkPolicy").values():
+        sel = policy["spec"]["podSelector"].get("matchLabels", {})
+        selected = [n for n, lab in labels.items() if sel.items() <= lab.items()]
+        for n in selected:
+            for rule in policy["spec"].get("ingress", []):
+                sources = [p for e in rule.get("from", [{"anyone": True}])
+                           for p in (["anyone"] if "anyone" in e else _peer(e, labels))]
+                ingress |= {(s, n, port) for s in sources
+                            for port in _ports(rule, templates[n])}
+            for rule in policy["spec"].get("egress", []):
+                for e in rule["to"]:
+                    for d in _peer(e, labels):
+                        egress |= {(n, d, port) for port in _ports(rule, templates.get(d))}
+        assert set(policy["spec"]["policyTypes"]) <= {"Ingress", "Egress"}
+    # Every pod is isolated both ways (the default-deny policy selects all of them).
+    deny = by_kind(docs, "NetworkPolicy")["pdserve-default-deny"]["spec"]
+    assert deny["podSelector"] == {} and set(deny["policyTypes"]) == {"Ingress", "Egress"}
+    inside = set(labels)
+    flows = {f for f in egress if f[1] not in inside}
+    flows |= {f for f in ingress if f[0] not in inside}
+    flows |= {f for f in egress if f[1] in inside and (f in ingress
+                                                      or ("anyone",) + f[1:] in ingress)}
+    one_sided = {f for f in egress ^ ingress if f[0] in inside and f[1] in inside}
+    assert not one_sided, f"allowed on one side only (dead or missing rules): {one_sided}"
+    return flows
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_allow_exactly_the_architecture(overlay):
+    docs = render(overlay)
+    procs = _processes(docs)
+    extra = [n for n in pods(docs) if n not in procs]
+    assert _allowed(docs) == _architecture(procs, extra)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_termination_grace_covers_the_drain(overlay):
+    for name, (pod, proc) in _processes(render(overlay)).items():
+        pre_stop = (pod.main.spec.get("lifecycle", {}).get("preStop", {})
+                    .get("sleep", {}).get("seconds", 0))
+        grace = pod.spec["terminationGracePeriodSeconds"]
+        assert grace >= pre_stop + proc.drain_seconds + proc.stop_grace, (
+            f"{name}: {grace} s < preStop {pre_stop} + drain {proc.drain_seconds} "
+            f"+ stop {proc.stop_grace}")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_are_labelled_unprivileged_and_reference_what_exists(overlay):
+    docs = render(overlay)
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    config = next(iter(by_kind(docs, "ConfigMap").values()))["data"]
+    device_tag = {"cpu": "cpu", "cuda": "gpu"}[config["PDSERVE_DEVICE"]]
+    names = {k: set(by_kind(docs, k)) for k in ("ConfigMap", "Secret",
+                                                "PersistentVolumeClaim")}
+    operator_made = {"pdserve-api-keys"}           # README: `kubectl create secret ...`
+    for name, pod in pods(docs).items():
+        labels = pod.labels
+        assert labels["app.kubernetes.io/name"] == labels["app.kubernetes.io/part-of"] == "pdserve"
+        assert labels["app.kubernetes.io/version"] == version, name
+        assert pod.spec["securityContext"]["runAsNonRoot"] is True, name
+        assert pod.spec["automountServiceAccountToken"] is False, name
+        for c in pod.containers:
+            sc = c.spec["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {
+                "drop": ["ALL"]} and sc["readOnlyRootFilesystem"] is True, f"{name}/{c.name}"
+            assert c.spec["image"] == f"pdserve:{version}-{device_tag}", f"{name}/{c.name}"
+            res = c.spec["resources"]
+            if name in ("prefill", "decode"):     # Guaranteed QoS: whole cores for an engine
+                assert res["requests"] == res["limits"], f"{name}/{c.name}"
+            assert {"cpu", "memory"} <= set(res["limits"]), f"{name}/{c.name}"
+            for ref in c.spec.get("envFrom", []):
+                assert ref["configMapRef"]["name"] in names["ConfigMap"]
+            for e in c.spec.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                assert ref is None or ref.get("optional") or ref["name"] in names["Secret"]
+        for v in pod.spec.get("volumes", []):
+            if "secret" in v:
+                assert (v["secret"]["secretName"] in names["Secret"]
+                        or (v["secret"]["secretName"] in operator_made
+                            and not any(s.startswith("pdserve-api-keys") for s in names["Secret"])))
+            if "persistentVolumeClaim" in v:
+                assert v["persistentVolumeClaim"]["claimName"] in names["PersistentVolumeClaim"]
+
+
+@pytest.mark.parametrize("overlay", ["h100", "inference-extension"])
+def test_autoscalers_scale_their_own_pool_on_its_own_pods(overlay):
+    docs = render(overlay)
+    sets = by_kind(docs, "StatefulSet")
+    namespace = next(iter(sets.values()))["metadata"]["namespace"]
+    scaled = by_kind(docs, "ScaledObject")
+    assert {component(s) for s in scaled.values()} == {"prefill", "decode"}
+    for so in scaled.values():
+        target = so["spec"]["scaleTargetRef"]
+        assert target["kind"] == "StatefulSet" and target["name"] in sets
+        other = next(n for n in sets if n != target["name"])
+        for name, query in keda_queries(so):
+            ns = re.search(r'namespace="([^"]+)"', query).group(1)
+            pod_re = re.search(r'pod=~"([^"]+)"', query).group(1)
+            assert ns == namespace, name
+            assert re.fullmatch(pod_re, f"{target['name']}-0"), name
+            assert not re.fullmatch(pod_re, f"{other}-0"), name
+
+
+def test_dockerfile_builds_the_extras_the_manifests_run():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert re.search(r"^ARG EXTRAS=cpu$", dockerfile, re.MULTILINE)
+    assert 'pip install ".[${EXTRAS}]"' in dockerfile
+    assert {"cpu", "gpu"} <= set(project["optional-dependencies"])
+    assert project["scripts"]["pdserve"] == "pdserve.cli:main"
+    user = int(re.search(r"^USER (\d+)$", dockerfile, re.MULTILINE).group(1))
+    for overlay in OVERLAYS:
+        for pod in pods(render(overlay)).values():
+            assert pod.spec["securityContext"]["runAsUser"] == user
