@@ -3,7 +3,8 @@
 One request is one trace: the edge accepts a client's W3C `traceparent` (the
 aiohttp instrumentation's server span), and every internal gRPC call carries
 the context in its metadata (the gRPC instrumentation's client and server
-interceptors, installed in `pdserve.rpc`). pdserve adds the spans those cannot
+interceptors, installed in `pdserve.rpc`; token streams carry their caller's span
+in metadata instead, see `metadata()`). pdserve adds the spans those cannot
 know: the generation ("chat {model}", with the GenAI attributes of `pdserve/genai.py`)
 and its steps — admit, route, prefill, decode, stream at the edge, kv_transfer
 on the decode worker.
@@ -120,9 +121,26 @@ def end(s: Span, error: BaseException | str | None = None, attributes: dict | No
 _REQUEST_METHODS = ("Route", "Generate", "Abort", "Claim", "Release")
 
 
-def _request_calls():
+# Token streams are traced by the caller's own span (prefill, decode) with the context
+# in `metadata()`: the client interceptor would put a generator hop on every token.
+_STREAMS = ("Generate",)
+
+
+def _request_calls(client: bool = False):
     from opentelemetry.instrumentation.grpc import filters
-    return filters.any_of(*(filters.method_name(m) for m in _REQUEST_METHODS))
+    methods = [m for m in _REQUEST_METHODS if not (client and m in _STREAMS)]
+    return filters.any_of(*(filters.method_name(m) for m in methods))
+
+
+def metadata() -> tuple | None:
+    """gRPC metadata carrying the current span's context (W3C traceparent), for calls
+    made without the client interceptor; None when tracing is off."""
+    if _tracer is None:
+        return None
+    from opentelemetry import propagate
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
 
 
 def server_interceptors() -> list:
@@ -138,7 +156,7 @@ def client_interceptors() -> list:
     if _tracer is None:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
-    return list(aio_client_interceptors(filter_=_request_calls()))
+    return list(aio_client_interceptors(filter_=_request_calls(client=True)))
 
 
 def instrument_http() -> None:

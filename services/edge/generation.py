@@ -203,7 +203,8 @@ class GenerationStream:
             "pdserve.decode.pull": leg.prefill_params is not None})
         error: BaseException | None = None
         with telemetry.current(span):           # the call carries the decode span's context
-            call = leg.stub.Generate(req, timeout=self.gen.remaining())
+            call = leg.stub.Generate(req, timeout=self.gen.remaining(),
+                                     metadata=telemetry.metadata())
         loop = asyncio.get_running_loop()
         self._last_output, self._stalled = loop.time(), False
         self._watch(call)

@@ -167,7 +167,8 @@ class Orchestrator:
         try:
             params = None
             async for resp in stub.Generate(prefill_request(request_id, prompt, gen.sampling),
-                                            timeout=min(self.resilience.prefill_timeout, budget)):
+                                            timeout=min(self.resilience.prefill_timeout, budget),
+                                            metadata=telemetry.metadata()):
                 if resp.HasField("complete") and resp.complete.HasField("kv_transfer_params_json"):
                     params = json.loads(resp.complete.kv_transfer_params_json)
             if not params or not params.get("remote_block_ids"):

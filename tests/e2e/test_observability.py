@@ -74,13 +74,12 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     assert http.parent_id == client_span
     gen = one("pdserve-edge", generation, parent=http)
     steps = {name: one("pdserve-edge", name, parent=gen) for name in _EDGE_STEPS}
-    # Each step's gRPC call, and the server span it continues in the other process.
+    # Each step's gRPC call, and the server span it continues in the other process (the
+    # token streams carry their step's own context: no client span of their own).
     one("pdserve-router", route_call,
         parent=one("pdserve-edge", route_call, parent=steps["route"]))
-    one("pdserve-prefill", engine_call,
-        parent=one("pdserve-edge", engine_call, parent=steps["prefill"]))
-    decode = one("pdserve-decode", engine_call,
-                 parent=one("pdserve-edge", engine_call, parent=steps["decode"]))
+    one("pdserve-prefill", engine_call, parent=steps["prefill"])
+    decode = one("pdserve-decode", engine_call, parent=steps["decode"])
     # The KV handover on the decode worker: its lease claim reaches the prefill worker.
     transfer = one("pdserve-decode", "kv_transfer", parent=decode)
     one("pdserve-prefill", claim_call, parent=one("pdserve-decode", claim_call, parent=transfer))
