@@ -267,6 +267,12 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def _tracing(command: str) -> None:
+    """Tracing from the OTEL_* environment: after pinning (the exporter's thread keeps
+    the process's cores) and before any gRPC server or channel exists."""
+    telemetry.setup(f"pdserve-{command}")
+
+
 def _run(coro) -> None:
     import uvloop
 
@@ -318,9 +324,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(chaos_main(argv[1:]))
     a = _parser().parse_args(argv)
     telemetry.configure_logging(a.command, a.log_level, a.log_format)
-    if a.command in ("router", "prefill", "decode", "edge"):
-        # Tracing (OTEL_* environment) before any gRPC server or channel exists.
-        telemetry.setup(f"pdserve-{a.command}")
     try:
         cfg = _config(a)
     except ValueError as e:
@@ -334,14 +337,17 @@ def main(argv: list[str] | None = None) -> None:
         print(ensure_tiny_model(Path(a.out), seed=a.seed))
     elif a.command == "router":
         _pin(a.cpus)
+        _tracing(a.command)
         from services.router.server import serve
         _run(serve(cfg))
     elif a.command in ("prefill", "decode"):
         _engine_env(cfg, a.cpus)
+        _tracing(a.command)
         from services.worker.main import serve_worker
         _run(serve_worker(cfg))
     elif a.command == "edge":
         _pin(a.cpus)
+        _tracing(a.command)
         from services.edge.server import serve
         _run(serve(cfg))
     elif a.command == "up":

@@ -601,9 +601,13 @@ def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
 
 
 def _tracing_env(collector: Collector) -> dict:
-    """Tracing on, every request sampled, spans batched to `collector` as in production."""
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on"}
+    """Tracing on, every request sampled (unless the environment says otherwise: the
+    standard OTEL_* variables reach the edge), spans batched to `collector`."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": (collector.endpoint if protocol == "grpc"
+                                            else collector.http_endpoint),
+            "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+            "OTEL_TRACES_SAMPLER": os.environ.get("OTEL_TRACES_SAMPLER", "always_on")}
 
 
 def tracing_cost(off: dict, on: dict) -> dict:

@@ -7,6 +7,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -41,10 +42,37 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
+        # OTLP/HTTP (protobuf) too: POST /v1/traces on http_port.
+        collector = self
+
+        class _HTTP(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+                collector.Export(request, None)
+                answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), _HTTP)
+        self.http_port = self.http.server_address[1]
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
     @property
     def endpoint(self) -> str:
+        """OTLP/gRPC (OTEL_EXPORTER_OTLP_ENDPOINT with the default protocol)."""
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def http_endpoint(self) -> str:
+        """OTLP/HTTP (with OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf)."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     def Export(self, request, context):
         got = []
@@ -66,15 +94,19 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
-    def wait_for(self, trace_id: str, names: set[str], timeout: float = 20.0
+    def wait_for(self, trace_id: str, names: set, timeout: float = 20.0
                  ) -> list[CollectedSpan]:
-        """The trace's spans once every name in `names` arrived (exporters batch)."""
+        """The trace's spans once every one of `names` arrived (exporters batch): a span
+        name, or (service, name) for the same name in several processes."""
         deadline = time.monotonic() + timeout
         while True:
             spans = self.trace(trace_id)
-            if names <= {s.name for s in spans} or time.monotonic() > deadline:
+            seen = {s.name for s in spans} | {(s.service, s.name) for s in spans}
+            if names <= seen or time.monotonic() > deadline:
                 return spans
             time.sleep(0.1)
 
     def stop(self) -> None:
         self.server.stop(0)
+        self.http.shutdown()
+        self.http.server_close()

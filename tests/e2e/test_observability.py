@@ -57,8 +57,12 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     generation = f"chat {stack.model}"
     route_call, engine_call = "/pdserve.v1.Router/Route", "/vllm.grpc.engine.VllmEngine/Generate"
     claim_call = "/pdserve.v1.KVTransfer/Claim"
-    spans = stack.traces.wait_for(trace_id, {generation, "kv_transfer", claim_call,
-                                             route_call, engine_call, *_EDGE_STEPS})
+    spans = stack.traces.wait_for(trace_id, {
+        *(("pdserve-edge", name) for name in (generation, route_call, *_EDGE_STEPS)),
+        ("pdserve-router", route_call), ("pdserve-prefill", engine_call),
+        ("pdserve-decode", engine_call), ("pdserve-decode", "kv_transfer"),
+        ("pdserve-decode", claim_call), ("pdserve-prefill", claim_call),
+        ("pdserve-edge", "POST /v1/chat/completions")})
     by_id = {s.span_id: s for s in spans}
 
     def one(service: str, name: str, parent=None):
@@ -112,7 +116,9 @@ def test_a_request_without_traceparent_starts_its_own_trace(stack):
             break
         time.sleep(0.1)
     assert len(new) == 1 and new[0].parent_id == ""
-    spans = stack.traces.wait_for(new[0].trace_id, {f"chat {stack.model}", "kv_transfer"})
+    spans = stack.traces.wait_for(new[0].trace_id, {
+        f"chat {stack.model}", ("pdserve-router", "/pdserve.v1.Router/Route"),
+        ("pdserve-decode", "kv_transfer")})
     assert {s.service for s in spans} >= {"pdserve-edge", "pdserve-router", "pdserve-decode"}
 
 
