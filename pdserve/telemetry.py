@@ -61,8 +61,11 @@ def setup(service: str) -> bool:
     provider = TracerProvider(resource=resource)      # sampler: OTEL_TRACES_SAMPLER
     if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "console":
         exporter = ConsoleSpanExporter()
+    # The specification's default protocol, http/protobuf; grpc when asked. The gRPC
+    # exporter's sync calls from its thread cost the edge's token tails more
+    # (bench/README.md, "The cost of tracing").
     elif os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                        os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")) == "grpc":
+                        os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")) == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         exporter = OTLPSpanExporter()
     else:

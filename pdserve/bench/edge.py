@@ -13,7 +13,8 @@ after another, in the same run:
 - `edge`: through `pdserve edge` and `pdserve router`, the source as the router's
   static decode worker (prompts are short: the decode worker prefills);
 - `traced`: the same with tracing on: every request's spans exported over OTLP
-  to a collector in this process. `tracing` compares it with `edge`: the cost of
+  (http/protobuf unless OTEL_EXPORTER_OTLP_PROTOCOL says grpc) to a collector in
+  this process. `tracing` compares it with `edge`: the cost of
   tracing per token (target: under 5% added latency).
 
 The load comes from separate client processes (uvloop, raw asyncio streams, a
@@ -603,7 +604,7 @@ def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
 def _tracing_env(collector: Collector) -> dict:
     """Tracing on, every request sampled (unless the environment says otherwise: the
     standard OTEL_* variables reach the edge), spans batched to `collector`."""
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     return {"OTEL_EXPORTER_OTLP_ENDPOINT": (collector.endpoint if protocol == "grpc"
                                             else collector.http_endpoint),
             "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,

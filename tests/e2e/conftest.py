@@ -105,7 +105,8 @@ def stack(model_dir, reference) -> Stack:
     traces = Collector()
     # Tracing on, as an operator turns it on: the standard OTEL_* variables. Spans
     # leave in batches every 200 ms, so a test sees a request's trace soon after it.
-    tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.http_endpoint,
+               "OTEL_BSP_SCHEDULE_DELAY": "200"}
     proc = Proc(pdserve_cmd("up", "--port", str(ports["edge"]), "--grpc-port", str(ports["grpc"]),
                             "--router-port",
                             str(ports["router"]), "--prefill-port", str(ports["prefill"]),
