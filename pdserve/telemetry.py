@@ -10,7 +10,7 @@ and its steps — admit, route, prefill, decode, stream at the edge, kv_transfer
 on the decode worker.
 
 Export is OTLP, configured by the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
-`OTEL_EXPORTER_OTLP_PROTOCOL`, `OTEL_TRACES_EXPORTER`, `OTEL_SERVICE_NAME`,
+`OTEL_EXPORTER_OTLP_PROTOCOL`: http/protobuf unless grpc, `OTEL_TRACES_EXPORTER`, `OTEL_SERVICE_NAME`,
 `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_BSP_*`, `OTEL_TRACES_SAMPLER`). It is off
 unless one of them asks for traces, and free when off: no interceptor, no
 middleware, and `span()` hands out one shared no-op span.
