@@ -3,6 +3,8 @@ next prefill worker takes it (failover), and when none is left the decode worker
 prefills locally (fallback). The client sees the same text either way."""
 from __future__ import annotations
 
+import contextlib
+
 from transformers import AutoTokenizer
 
 from cases import CASES, MAX_TOKENS
@@ -29,6 +31,22 @@ async def _router(stack, prefills: list[tuple[str, str]]):
     return server
 
 
+@contextlib.asynccontextmanager
+async def _orchestrator(stack, model_dir, prefills: list[tuple[str, str]]):
+    """An edge orchestrator behind `_router(stack, prefills)`, and the completion case's
+    prompt ids; both stopped on exit."""
+    server = await _router(stack, prefills)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    orchestrator = Orchestrator(f"127.0.0.1:{server.port}", request_timeout=120,
+                                tokenizer=tokenizer)
+    case = next(c for c in CASES if c.kind == "completion")
+    try:
+        yield orchestrator, case, tokenizer.encode(case.payload["prompt"])
+    finally:
+        await orchestrator.close()
+        await server.stop(0)
+
+
 def _greedy(stack, request_id: str, ids: list[int]) -> Generation:
     return Generation(request_id=request_id, model=stack.model, prompt_token_ids=ids,
                       sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
@@ -37,34 +55,21 @@ def _greedy(stack, request_id: str, ids: list[int]) -> Generation:
 
 async def test_unreachable_prefill_falls_back_to_local_prefill(stack, reference, model_dir):
     # Two prefill workers nothing listens on: both are tried, then local prefill.
-    server = await _router(stack, [("dead-prefill-0", f"127.0.0.1:{free_port()}"),
-                                   ("dead-prefill-1", f"127.0.0.1:{free_port()}")])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    orchestrator = Orchestrator(f"127.0.0.1:{server.port}", request_timeout=120,
-                                tokenizer=tokenizer)
-    case = next(c for c in CASES if c.kind == "completion")
-    ids = tokenizer.encode(case.payload["prompt"])
-    try:
+    async with _orchestrator(stack, model_dir, [
+            ("dead-prefill-0", f"127.0.0.1:{free_port()}"),
+            ("dead-prefill-1", f"127.0.0.1:{free_port()}")]) as (orchestrator, case, ids):
         stream = await orchestrator.start(_greedy(stack, "fallback-1", ids))
         assert stream.path == "local" and stream.stats["prefill_fallback"]
         assert orchestrator.prefill_fallbacks == 1 and orchestrator.prefill_failovers == 1
         text = "".join([chunk.text async for chunk in stream.chunks()])
-    finally:
-        await orchestrator.close()
-        await server.stop(0)
     assert text == reference[case.name]["text"]
     assert stream.completion_tokens == MAX_TOKENS
 
 
 async def test_a_dead_prefill_worker_fails_over_to_a_live_one(stack, reference, model_dir):
-    server = await _router(stack, [("dead-prefill", f"127.0.0.1:{free_port()}"),
-                                   ("real-prefill", stack.prefill)])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    orchestrator = Orchestrator(f"127.0.0.1:{server.port}", request_timeout=120,
-                                tokenizer=tokenizer)
-    case = next(c for c in CASES if c.kind == "completion")
-    ids = tokenizer.encode(case.payload["prompt"])
-    try:
+    async with _orchestrator(stack, model_dir, [
+            ("dead-prefill", f"127.0.0.1:{free_port()}"),
+            ("real-prefill", stack.prefill)]) as (orchestrator, case, ids):
         # Idle prefill workers take turns: within two requests the dead one is picked
         # first at least once, and that request moves on to the live one.
         for n in range(2):
@@ -74,6 +79,3 @@ async def test_a_dead_prefill_worker_fails_over_to_a_live_one(stack, reference, 
             text = "".join([chunk.text async for chunk in stream.chunks()])
             assert text == reference[case.name]["text"]
         assert orchestrator.prefill_failovers >= 1 and orchestrator.prefill_fallbacks == 0
-    finally:
-        await orchestrator.close()
-        await server.stop(0)
