@@ -57,15 +57,13 @@ class WorkerEngineServicer(VllmEngineServicer):
         started = time.perf_counter()
         n, prompt_tokens, cached, ended = 0, 0, 0, "cancelled"
         self.in_flight += 1
+        params = _kv_params(request)
         # A P/D decode: its handover (claim, pull, first step) is timed and traced.
-        pull = _pulls(request)
+        pull = _pull_attributes(params)
         handover = telemetry.span("kv_transfer", attributes=pull) if pull else None
         try:
-            if handover is None:
-                await self._claim(request)
-            else:
-                with telemetry.current(handover):
-                    await self._claim(request)
+            with telemetry.current(handover or trace.INVALID_SPAN):
+                await self._claim(request, params)
             async for resp in super().Generate(request, context):
                 if handover is not None:
                     self._handed_over(handover, request, resp, started)
@@ -110,16 +108,11 @@ class WorkerEngineServicer(VllmEngineServicer):
         if lease:
             self.on_lease(lease)
 
-    async def _claim(self, request) -> None:
+    async def _claim(self, request, params: dict | None) -> None:
         """A pull whose lease is gone (or whose prefill worker is) becomes a local
-        prefill: the request reaches the engine without its kv_transfer_params."""
-        if not request.HasField("kv_transfer_params_json"):
-            return
-        try:
-            params = json.loads(request.kv_transfer_params_json)
-        except ValueError:
-            return                          # the engine answers INVALID_ARGUMENT
-        if not isinstance(params, dict):
+        prefill: the request reaches the engine without its kv_transfer_params
+        (`params`: the request's, parsed)."""
+        if params is None:
             return
         reason = await self.claims.refusal(params)
         if reason:
@@ -140,15 +133,21 @@ class WorkerEngineServicer(VllmEngineServicer):
         return await super().Abort(request, context)
 
 
-def _pulls(request) -> dict | None:
-    """The span attributes of a request that asks to pull a prefill's KV, else None."""
+def _kv_params(request) -> dict | None:
+    """The request's kv_transfer_params, or None when it has none readable (a bad one
+    the engine answers with INVALID_ARGUMENT)."""
     if not request.HasField("kv_transfer_params_json"):
         return None
     try:
         params = json.loads(request.kv_transfer_params_json)
     except ValueError:
         return None
-    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+    return params if isinstance(params, dict) else None
+
+
+def _pull_attributes(params: dict | None) -> dict | None:
+    """The span attributes of a request that asks to pull a prefill's KV, else None."""
+    if not params or not params.get("do_remote_prefill"):
         return None
     return {"pdserve.kv.lease_id": str(params.get("remote_request_id", "")),
             "pdserve.kv.prefill_address": str(params.get(PREFILL_ADDRESS, "")),
