@@ -89,7 +89,9 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admission-queue", type=int, default=d.admission_queue,
                    help="requests that may wait for room in the decode pool; more get 503")
     g.add_argument("--admission-wait-seconds", type=float, default=d.admission_wait_seconds,
-                   help="a request still waiting for room after this long gets 503")
+                   help="the queueing allowance of the TTFT SLO: a request expected to "
+                        "wait longer for room gets 503 on arrival, one still waiting after "
+                        "this long gets it then")
     g.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
                    help="on SIGTERM: /health fails and nothing new is admitted at once; "
                         "streams in flight get this long to finish (under `up`, every "

@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +69,7 @@ class Settings:
     steady_share: float = 0.3       # the steady tenant's rate, x R
     burst_factor: float = 10.0      # the bursting tenant's rate, x the steady one's
     queue: int = 0                  # --admission-queue (0: max_num_seqs)
-    wait: float = 5.0               # --admission-wait-seconds
+    wait: float = 0.0               # --admission-wait-seconds (0: the SLO's queue allowance)
     synthetic_rate: float = 100.0   # synthetic engine: tokens per second per stream
     timeout: float = 0.0            # a request not done this long after it was sent is
                                     # lost (0: 3 x overload x duration + 60)
@@ -148,9 +148,11 @@ async def _serve_engine(model: str, port: int, rate: float, capacity: int) -> No
 # --- the stacks under test ---------------------------------------------------------------
 
 def _edge_flags(st: Settings, keys_file: Path, admission: bool) -> list[str]:
-    return ["--api-keys-file", str(keys_file), "--admission" if admission else "--no-admission",
-            "--admission-queue", str(st.admission_queue),
-            "--admission-wait-seconds", str(st.wait), "--drain-seconds", "2"]
+    flags = ["--api-keys-file", str(keys_file), "--drain-seconds", "2"]
+    if not admission:
+        return [*flags, "--no-admission"]
+    return [*flags, "--admission", "--admission-queue", str(st.admission_queue),
+            "--admission-wait-seconds", str(st.wait)]
 
 
 class _RealStack:
@@ -487,6 +489,7 @@ def _slo(cap: dict) -> dict:
     than 25% slower than in a full batch."""
     return {"ttft_p99_ms": round(cap["ttft_ms"]["p99"] + cap["e2e_ms"]["p50"], 1),
             "tpot_p99_ms": round(1.25 * cap["tpot_ms"]["p99"], 1),
+            "queue_allowance_s": round(cap["e2e_ms"]["p50"] / 1000, 3),
             "how": "TTFT p99 <= TTFT p99 + e2e p50 at capacity (one queue turn); "
                    "TPOT p99 <= 1.25 x TPOT p99 at capacity"}
 
@@ -568,7 +571,10 @@ def _with_stack(st: Settings, model: str, keys_file: Path, admission: bool, phas
 
 
 def bench_admission(st: Settings, model: str) -> dict:
-    """Both stacks in turn, every phase; the result as one dict."""
+    """Both stacks in turn, every phase; the result as one dict. The stack without
+    admission runs first: its closed loop measures R and sets the SLO, whose queueing
+    allowance (one queue turn) is then the admission stack's `--admission-wait-seconds`
+    unless `st.wait` names one."""
     result: dict = {"settings": asdict(st) | {"admission_queue": st.admission_queue,
                                               "request_timeout_s": st.request_timeout,
                                               "model": model}}
@@ -578,7 +584,7 @@ def bench_admission(st: Settings, model: str) -> dict:
         keys_file = Path(tmp) / "keys"
         keys_file.write_text("".join(f"{k} {t} normal\n" for t, k in TENANTS.items()))
 
-        def admitted(r: _Runner) -> None:
+        def baseline(r: _Runner) -> None:
             cap = result["capacity"] = r.capacity()
             rate = cap["throughput_rps"]
             if not rate:
@@ -588,6 +594,13 @@ def bench_admission(st: Settings, model: str) -> dict:
             result["rates_rps"] = {"R": rate, "overload": round(st.overload * rate, 3),
                                    "steady": round(st.steady_share * rate, 3),
                                    "burst": round(st.steady_share * st.burst_factor * rate, 3)}
+            overload["no_admission"] = r.open("overload, no admission",
+                                              {"burst": st.overload * rate}, slo)
+            fairness["with_burst_no_admission"] = r.open(
+                "fairness, steady + burst, no admission", _pair(st, rate), slo)
+
+        def admitted(r: _Runner) -> None:
+            rate, slo = result["rates_rps"]["R"], result["slo"]
             overload["admission"] = r.open("overload, admission",
                                            {"burst": st.overload * rate}, slo)
             fairness["steady_alone"] = r.open("fairness, steady alone",
@@ -595,15 +608,10 @@ def bench_admission(st: Settings, model: str) -> dict:
             fairness["with_burst_admission"] = r.open("fairness, steady + burst, admission",
                                                       _pair(st, rate), slo)
 
-        def baseline(r: _Runner) -> None:
-            rate, slo = result["rates_rps"]["R"], result["slo"]
-            overload["no_admission"] = r.open("overload, no admission",
-                                              {"burst": st.overload * rate}, slo)
-            fairness["with_burst_no_admission"] = r.open(
-                "fairness, steady + burst, no admission", _pair(st, rate), slo)
-
-        _with_stack(st, model, keys_file, True, admitted)
         _with_stack(st, model, keys_file, False, baseline)
+        wait = st.wait or result["slo"]["queue_allowance_s"]
+        result["settings"]["admission_wait_s"] = wait
+        _with_stack(replace(st, wait=wait), model, keys_file, True, admitted)
     result["overload"], result["fairness"] = overload, fairness
     alone = fairness["steady_alone"]["ttft_ms"]["p99"]
     for mode in ("admission", "no_admission"):
@@ -639,7 +647,7 @@ def table(result: dict) -> str:
     s, r = result["settings"], result["rates_rps"]
     cap = result["capacity"]
     rows = [f"{s['backend']} backend, max-num-seqs {s['max_num_seqs']}, admission queue "
-            f"{s['admission_queue']}, wait {s['wait']} s; {s['prompt_tokens']}-token prompts, "
+            f"{s['admission_queue']}, wait {s['admission_wait_s']} s; {s['prompt_tokens']}-token prompts, "
             f"{s['max_tokens']} out",
             f"capacity R = {r['R']} req/s (closed loop at {cap['concurrency']}): TTFT p50/p99 "
             f"{cap['ttft_ms']['p50']}/{cap['ttft_ms']['p99']} ms, TPOT p99 "

@@ -12,20 +12,27 @@ of placements since is an upper bound that held free slots shut (a closed
 loop at capacity ran at 40 % of its rate). So with several edge replicas each admits up to the whole pool, and
 the engines' own queues take the excess (see the README). Otherwise it waits,
 in its key's priority class (high before normal before low) and, within a
-class, in its tenant's line: tenants take turns, so one tenant's burst
-queues behind its own requests, not in front of another tenant's steady
-traffic. When the queue is full, a newcomer takes the place of the newest
+class, in its tenant's line: the tenant holding the fewest slots goes next
+(ties take turns), so one tenant's burst queues behind its own requests, not
+in front of another tenant's steady traffic. When the queue is full, a newcomer takes the place of the newest
 request of a lower class, or of the tenant with the longest line in its own
 class (if that line is longer than its own tenant's), so a burst fills the
 queue with its own requests but cannot shut others out of it. The queue is
 bounded in length and in wait: past either, 503 with
 `Retry-After` at once (a caller that is refused quickly can go elsewhere; one
-that waits past its SLO is served too late to count). Draining admits
-nothing more.
+that waits past its SLO is served too late to count). The wait is bounded
+twice: a newcomer expected to wait past most of it is refused on arrival (see
+`expected_wait`: its turns ahead, in the order the queue serves them, against
+when the requests running now should end, from their start and the recent mean
+hold time; requests of one size end together, so "capacity per hold time"
+would be wrong), and one that still waits that long is refused then. So the bound is the operator's
+queueing allowance in the TTFT SLO, and most refusals cost no waiting. Draining
+admits nothing more.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -35,6 +42,9 @@ from .openai_protocol import APIError
 
 KV_FULL = 0.95                      # an engine this full takes nothing more
 ACTIVE_SECONDS = 5.0                # a tenant that asked this recently shares the pool
+HOLD_WEIGHT = 0.1                   # how much the last request's hold time moves the mean
+EXPECT_SHARE = 0.8                  # a newcomer may be expected to wait this much of the
+                                    # bound; the rest absorbs the estimate's error
 
 
 @dataclass(slots=True)
@@ -43,19 +53,27 @@ class Ticket:
 
     admission: "Admission"
     tenant: str
+    slot: int                       # its slot in Admission._slots
     waited: float                   # seconds in the queue
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.admission._released(self.tenant)
+            self.admission._released(self.tenant, self.slot)
 
 
 @dataclass(slots=True)
 class _Waiter:
     future: asyncio.Future
     queued_at: float = field(default_factory=time.monotonic)
+    slot: int = -1                  # the slot taken for it, once admitted
+
+
+def _granted(waiter: _Waiter) -> bool:
+    """The waiter was given a slot (its future says so, whether or not it woke yet)."""
+    f = waiter.future
+    return f.done() and not f.cancelled() and f.result() is None
 
 
 def pool_capacity(workers, decode_role: int) -> float:
@@ -82,6 +100,9 @@ class Admission:
         self._seen: dict[str, float] = {}        # tenant -> when it last asked
         self.draining = False
         self.queued = 0
+        self.hold: float | None = None            # mean seconds a ticket is held (recent)
+        self._slots: OrderedDict[int, float] = OrderedDict()   # held: slot -> when taken
+        self._slot_ids = itertools.count()
         self._lines: list[OrderedDict[str, deque[_Waiter]]] = [OrderedDict() for _ in range(3)]
 
     # --- the pool's room -------------------------------------------------
@@ -94,7 +115,38 @@ class Admission:
         self.capacity = capacity
         self._dispatch()
 
-    def _released(self, tenant: str) -> None:
+    def _held(self, seconds: float) -> None:
+        self.hold = seconds if self.hold is None else \
+            self.hold + HOLD_WEIGHT * (seconds - self.hold)
+
+    def expected_wait(self, key: APIKey) -> float:
+        """Seconds a request of `key`'s queued now would wait: until as many slots have
+        freed as there are turns served before it (every higher class, then in its own
+        the requests of tenants that hold fewer slots, see `_next`) plus its own. A held
+        slot is expected to free one mean hold time after it was taken, so the oldest
+        free first, and each slot freed is taken again and held as long (0 while
+        nothing is known)."""
+        if self.hold is None or self.capacity == float("inf") or not self._slots:
+            return 0.0
+        ahead = sum(len(line) for lines in self._lines[:key.priority]
+                    for line in lines.values())
+        lines = self._lines[key.priority]
+        mine = len(lines.get(key.tenant, ()))
+        # Another tenant goes first while it holds fewer slots (ties: in turn).
+        level = self._holding.get(key.tenant, 0) + mine + 1
+        ahead += sum(min(len(line), max(0, level - self._holding.get(tenant, 0)))
+                     for tenant, line in lines.items() if tenant != key.tenant) + mine
+        ends = ahead + 1 - max(0, int(self.room))         # slots that must free first
+        if ends <= 0:
+            return 0.0
+        rounds, i = divmod(ends - 1, len(self._slots))
+        taken = next(itertools.islice(self._slots.values(), i, None))
+        return max(0.0, taken + self.hold - time.monotonic()) + rounds * self.hold
+
+    def _released(self, tenant: str, slot: int, held: bool = True) -> None:
+        taken = self._slots.pop(slot, None)
+        if held and taken is not None:
+            self._held(time.monotonic() - taken)
         self.in_flight -= 1
         self._holding[tenant] -= 1
         self._dispatch()
@@ -114,9 +166,12 @@ class Admission:
         active = max(1, len(self._seen))
         return active == 1 or self._holding.get(tenant, 0) < self.capacity / active
 
-    def _take(self, tenant: str) -> None:
+    def _take(self, tenant: str) -> int:
         self.in_flight += 1
         self._holding[tenant] = self._holding.get(tenant, 0) + 1
+        slot = next(self._slot_ids)
+        self._slots[slot] = time.monotonic()
+        return slot
 
     # --- admitting ----------------------------------------------------------
     async def admit(self, key: APIKey) -> Ticket:
@@ -127,8 +182,11 @@ class Admission:
                          "replica")
         self._seen[key.tenant] = time.monotonic()
         if not self.queued and self._may_take(key.tenant):
-            self._take(key.tenant)
-            return self._ticket(key, 0.0)
+            return self._ticket(key, self._take(key.tenant), 0.0)
+        expected = self.expected_wait(key)
+        if expected > EXPECT_SHARE * self.max_wait:
+            self._reject("wait", f"the server is at capacity: room expected in "
+                         f"{expected:.2f} s, past the {self.max_wait:g} s wait; retry later")
         if self.queued >= self.max_queue and not self._push_out(key):
             self._reject("queue_full", "the server is at capacity and its queue is full; "
                          "retry later")
@@ -141,31 +199,33 @@ class Admission:
             async with asyncio.timeout(self.max_wait):
                 refused = await waiter.future       # None: admitted; an APIError: drained
         except TimeoutError:
-            self._remove(key, waiter)
-            self._reject("wait", f"the server is at capacity: no room within "
-                         f"{self.max_wait:g} s; retry later")
+            if not waiter.future.done() or waiter.future.cancelled():
+                self._remove(key, waiter)
+                self._reject("wait", f"the server is at capacity: no room within "
+                             f"{self.max_wait:g} s; retry later")
+            # Decided as the wait ran out: admitted (its slot is taken), or refused.
+            refused = waiter.future.result()
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled() \
-                    and waiter.future.result() is None:
-                self._released(key.tenant)      # admitted as the caller left: give it back
+            if _granted(waiter):
+                # Admitted as the caller left: give it back (not a hold to learn from).
+                self._released(key.tenant, waiter.slot, held=False)
             else:
                 self._remove(key, waiter)
             raise
         if refused is not None:
             raise refused
-        return self._ticket(key, time.monotonic() - waiter.queued_at)
+        return self._ticket(key, waiter.slot, time.monotonic() - waiter.queued_at)
 
-    def _ticket(self, key: APIKey, waited: float) -> Ticket:
+    def _ticket(self, key: APIKey, slot: int, waited: float) -> Ticket:
         if self.metrics is not None:
             self.metrics.queue_wait.observe(waited)
-        return Ticket(self, key.tenant, waited)
+        return Ticket(self, key.tenant, slot, waited)
 
     def _dispatch(self) -> None:
         """Admit queued requests while there is room: by class, tenants in turn
         (a tenant the last slot is not for waits; the next one may take it)."""
         while self.room >= 1 and self.queued:
-            pick = next(((lines, tenant, line) for lines in self._lines
-                         for tenant, line in lines.items() if self._may_take(tenant)), None)
+            pick = self._next()
             if pick is None:
                 break
             lines, tenant, line = pick
@@ -176,9 +236,21 @@ class Admission:
                 del lines[tenant]
             self.queued -= 1
             if not waiter.future.done():
-                self._take(tenant)
+                waiter.slot = self._take(tenant)
                 waiter.future.set_result(None)
         self._gauge()
+
+    def _next(self):
+        """Whose request goes next: the highest class with a tenant that may take the
+        room; in it, the tenant holding the fewest slots now (so a light tenant's request
+        is not queued behind a heavy one's turns), ties in turn."""
+        for lines in self._lines:
+            ready = [(self._holding.get(t, 0), i, t) for i, t in enumerate(lines)
+                     if self._may_take(t)]
+            if ready:
+                _, _, tenant = min(ready)
+                return lines, tenant, lines[tenant]
+        return None
 
     def _push_out(self, key: APIKey) -> bool:
         """Make room in a full queue for `key`'s request by refusing the newest

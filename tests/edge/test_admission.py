@@ -42,6 +42,30 @@ async def test_queued_requests_go_by_class_then_tenants_in_turn():
     assert adm.in_flight == 0
 
 
+async def test_the_tenant_holding_fewer_slots_goes_first():
+    adm = Admission(max_queue=10, max_wait=5)
+    adm.observe(2)
+    held = [await adm.admit(key("a")) for _ in range(2)]         # a holds the pool
+    order = []
+
+    async def ask(tenant: str):
+        ticket = await adm.admit(key(tenant))
+        order.append(tenant)
+        return ticket
+    queued = [asyncio.create_task(ask(t)) for t in ("a", "a", "b")]
+    await asyncio.sleep(0)
+    assert adm.queued == 3
+    adm.observe(5)                      # room for 3: b (holding none) first, then a
+    await asyncio.sleep(0)
+    assert order == ["b", "a"]          # in turn it would have been a first
+    for t in held:
+        t.release()
+    tickets = await asyncio.gather(*queued)
+    for t in tickets:
+        t.release()
+    assert adm.in_flight == 0 and adm.queued == 0
+
+
 async def test_room_is_the_capacity_less_our_requests_in_flight():
     adm = Admission(max_queue=10, max_wait=5)
     adm.observe(4)
@@ -70,6 +94,52 @@ async def test_full_queue_and_long_wait_answer_503_quickly():
             await t
         assert e.value.code == "wait"
     assert adm.queued == 0
+
+
+async def test_a_newcomer_expected_to_wait_too_long_is_refused_on_arrival():
+    adm = Admission(max_queue=10, max_wait=0.3)
+    adm.observe(2)
+    held = [await adm.admit(key("a")) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    for t in held:
+        t.release()                     # each held ~0.2 s: one turn is ~0.1 s with 2 slots
+    assert 0.2 <= adm.hold < 0.25
+    held = [await adm.admit(key("a")) for _ in range(2)]     # the pool is full again
+    queued = [asyncio.create_task(adm.admit(key("a"))) for _ in range(2)]  # 1 and 2 turns
+    await asyncio.sleep(0)
+    assert adm.queued == 2
+    started = time.perf_counter()
+    with pytest.raises(APIError) as e:
+        await adm.admit(key("a"))       # 3 turns ~0.3 s: past 80 % of the 0.3 s wait
+    assert e.value.status == 503 and e.value.code == "wait"
+    assert time.perf_counter() - started < 0.01
+    # Another tenant's request is served after one of a's, not after both: 2 turns.
+    other = asyncio.create_task(adm.admit(key("b")))
+    await asyncio.sleep(0)
+    assert adm.queued == 3 and not other.done()
+    for t in held:
+        t.release()
+    admitted = await asyncio.gather(queued[0], other)
+    assert [t.tenant for t in admitted] == ["a", "b"]
+    for t in admitted:
+        t.release()
+    (await queued[1]).release()
+    assert adm.in_flight == 0 and adm.queued == 0
+
+
+async def test_a_request_admitted_as_its_wait_runs_out_keeps_its_slot():
+    adm = Admission(max_queue=10, max_wait=0.05)
+    adm.observe(1)
+    held = await adm.admit(key("a"))
+    loop = asyncio.get_running_loop()
+    queued = asyncio.create_task(adm.admit(key("b")))
+    await asyncio.sleep(0)                          # queued; its 50 ms timeout is armed
+    loop.call_at(loop.time() + 0.04, held.release)  # b gets the slot just before it...
+    time.sleep(0.1)                                 # ...in the loop step its timeout fires
+    ticket = await queued                           # admitted, not refused with a slot held
+    assert adm.in_flight == 1
+    ticket.release()
+    assert adm.in_flight == 0 and adm.room == 1
 
 
 async def test_drain_refuses_the_queued_and_the_new_and_a_gone_caller_leaves_the_queue():
