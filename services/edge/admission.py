@@ -14,14 +14,16 @@ the engines' own queues take the excess (see the README). Otherwise it waits,
 in its key's priority class (high before normal before low) and, within a
 class, in its tenant's line: the tenant holding the fewest slots goes next
 (ties take turns), so one tenant's burst queues behind its own requests, not
-in front of another tenant's steady traffic. When the queue is full, a newcomer takes the place of the newest
+in front of another tenant's steady traffic; and each active tenant is
+guaranteed its share of the pool (`_may_take`), so a burst cannot hold the
+slots another tenant's next request needs. When the queue is full, a newcomer takes the place of the newest
 request of a lower class, or of the tenant with the longest line in its own
 class (if that line is longer than its own tenant's), so a burst fills the
 queue with its own requests but cannot shut others out of it. The queue is
 bounded in length and in wait: past either, 503 with
 `Retry-After` at once (a caller that is refused quickly can go elsewhere; one
 that waits past its SLO is served too late to count). The wait is bounded
-twice: a newcomer expected to wait past most of it is refused on arrival (see
+twice: a newcomer expected to wait past it is refused on arrival (see
 `expected_wait`: its turns ahead, in the order the queue serves them, against
 when the requests running now should end, from their start and the recent mean
 hold time; requests of one size end together, so "capacity per hold time"
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -40,11 +43,13 @@ from dataclasses import dataclass, field
 from .keys import APIKey
 from .openai_protocol import APIError
 
+log = logging.getLogger("pdserve.edge")
+
 KV_FULL = 0.95                      # an engine this full takes nothing more
 ACTIVE_SECONDS = 5.0                # a tenant that asked this recently shares the pool
 HOLD_WEIGHT = 0.1                   # how much the last request's hold time moves the mean
-EXPECT_SHARE = 0.8                  # a newcomer may be expected to wait this much of the
-                                    # bound; the rest absorbs the estimate's error
+HOLD_MARGIN = 4.0                   # deviations of the hold time added to an expected wait
+                                    # (as TCP's retransmit timeout adds 4 to its round trip)
 
 
 @dataclass(slots=True)
@@ -68,6 +73,7 @@ class _Waiter:
     future: asyncio.Future
     queued_at: float = field(default_factory=time.monotonic)
     slot: int = -1                  # the slot taken for it, once admitted
+    expected: float = 0.0           # its expected wait when it came
 
 
 def _granted(waiter: _Waiter) -> bool:
@@ -101,7 +107,9 @@ class Admission:
         self.draining = False
         self.queued = 0
         self.hold: float | None = None            # mean seconds a ticket is held (recent)
-        self._slots: OrderedDict[int, float] = OrderedDict()   # held: slot -> when taken
+        self.hold_dev = 0.0                       # ...and its mean deviation from that
+        # Held slots, oldest first: slot -> (when taken, by which tenant).
+        self._slots: OrderedDict[int, tuple[float, str]] = OrderedDict()
         self._slot_ids = itertools.count()
         self._lines: list[OrderedDict[str, deque[_Waiter]]] = [OrderedDict() for _ in range(3)]
 
@@ -116,16 +124,23 @@ class Admission:
         self._dispatch()
 
     def _held(self, seconds: float) -> None:
-        self.hold = seconds if self.hold is None else \
-            self.hold + HOLD_WEIGHT * (seconds - self.hold)
+        """Learn from one ended hold (as TCP learns its round-trip time and variation)."""
+        if self.hold is None:
+            self.hold, self.hold_dev = seconds, seconds / 2
+            return
+        error = seconds - self.hold
+        self.hold += HOLD_WEIGHT * error
+        self.hold_dev += HOLD_WEIGHT * (abs(error) - self.hold_dev)
 
     def expected_wait(self, key: APIKey) -> float:
         """Seconds a request of `key`'s queued now would wait: until as many slots have
         freed as there are turns served before it (every higher class, then in its own
         the requests of tenants that hold fewer slots, see `_next`) plus its own. A held
         slot is expected to free one mean hold time after it was taken, so the oldest
-        free first, and each slot freed is taken again and held as long (0 while
-        nothing is known)."""
+        free first, and each slot freed is taken again and held as long; the hold
+        time's recent deviation, HOLD_MARGIN times, is added for safety. A tenant
+        past its share while others are owed theirs (`_may_take`) waits for its own
+        slots to free instead (0 while nothing is known)."""
         if self.hold is None or self.capacity == float("inf") or not self._slots:
             return 0.0
         ahead = sum(len(line) for lines in self._lines[:key.priority]
@@ -137,40 +152,55 @@ class Admission:
         ahead += sum(min(len(line), max(0, level - self._holding.get(tenant, 0)))
                      for tenant, line in lines.items() if tenant != key.tenant) + mine
         ends = ahead + 1 - max(0, int(self.room))         # slots that must free first
+        slots = [taken for taken, _ in self._slots.values()]
+        share, owed = self._share(key.tenant)
+        if owed and self._holding.get(key.tenant, 0) + mine >= share:
+            own = [taken for taken, tenant in self._slots.values() if tenant == key.tenant]
+            ends, slots = mine + 1, own or slots
         if ends <= 0:
             return 0.0
-        rounds, i = divmod(ends - 1, len(self._slots))
-        taken = next(itertools.islice(self._slots.values(), i, None))
-        return max(0.0, taken + self.hold - time.monotonic()) + rounds * self.hold
+        rounds, i = divmod(ends - 1, len(slots))
+        return (max(0.0, slots[i] + self.hold - time.monotonic()) + rounds * self.hold
+                + HOLD_MARGIN * self.hold_dev)
 
     def _released(self, tenant: str, slot: int, held: bool = True) -> None:
         taken = self._slots.pop(slot, None)
         if held and taken is not None:
-            self._held(time.monotonic() - taken)
+            self._held(time.monotonic() - taken[0])
         self.in_flight -= 1
         self._holding[tenant] -= 1
         self._dispatch()
 
     def _may_take(self, tenant: str) -> bool:
-        """Room for `tenant`: any free slot but the last, which goes only to a tenant
-        holding less than its share of the pool among the tenants active now. So
-        a tenant that keeps the pool full still leaves one slot free for another
-        tenant's next request, instead of making it wait for one to end."""
+        """Room for `tenant`. Each tenant active now (it asked in the last
+        ACTIVE_SECONDS) is guaranteed its share of the pool: below it, a tenant
+        takes any free slot; at or above it, only slots that no other active
+        tenant is still owed. Slots cannot be taken back from a running request,
+        so a tenant that keeps the pool full leaves the others' unused shares
+        free for their next requests instead of making them wait for one to end
+        (the price: those slots may idle while their tenant is quiet)."""
         if self.room < 1:
             return False
-        if self.room >= 2:
-            return True
+        share, owed = self._share(tenant)
+        return self._holding.get(tenant, 0) < share or self.room - owed >= 1
+
+    def _share(self, tenant: str) -> tuple[float, float]:
+        """(`tenant`'s share of the pool, the slots the other active tenants are still
+        owed of theirs)."""
         now = time.monotonic()
         for t in [t for t, at in self._seen.items() if now - at > ACTIVE_SECONDS]:
             del self._seen[t]
-        active = max(1, len(self._seen))
-        return active == 1 or self._holding.get(tenant, 0) < self.capacity / active
+        if len(self._seen) <= 1:
+            return self.capacity, 0.0
+        share = self.capacity / len(self._seen)
+        return share, sum(max(0.0, share - self._holding.get(t, 0))
+                          for t in self._seen if t != tenant)
 
     def _take(self, tenant: str) -> int:
         self.in_flight += 1
         self._holding[tenant] = self._holding.get(tenant, 0) + 1
         slot = next(self._slot_ids)
-        self._slots[slot] = time.monotonic()
+        self._slots[slot] = (time.monotonic(), tenant)
         return slot
 
     # --- admitting ----------------------------------------------------------
@@ -184,13 +214,13 @@ class Admission:
         if not self.queued and self._may_take(key.tenant):
             return self._ticket(key, self._take(key.tenant), 0.0)
         expected = self.expected_wait(key)
-        if expected > EXPECT_SHARE * self.max_wait:
+        if expected > self.max_wait:
             self._reject("wait", f"the server is at capacity: room expected in "
                          f"{expected:.2f} s, past the {self.max_wait:g} s wait; retry later")
         if self.queued >= self.max_queue and not self._push_out(key):
             self._reject("queue_full", "the server is at capacity and its queue is full; "
                          "retry later")
-        waiter = _Waiter(asyncio.get_running_loop().create_future())
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), expected=expected)
         line = self._lines[key.priority].setdefault(key.tenant, deque())
         line.append(waiter)
         self.queued += 1
@@ -201,6 +231,9 @@ class Admission:
         except TimeoutError:
             if not waiter.future.done() or waiter.future.cancelled():
                 self._remove(key, waiter)
+                log.info("admission: a request of %s waited %.3f s for room (expected "
+                         "%.3f s when it came); refused", key.tenant, self.max_wait,
+                         waiter.expected)
                 self._reject("wait", f"the server is at capacity: no room within "
                              f"{self.max_wait:g} s; retry later")
             # Decided as the wait ran out: admitted (its slot is taken), or refused.
