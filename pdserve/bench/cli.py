@@ -260,6 +260,9 @@ def _edge(argv: list[str]) -> int:
                         "(default: 2 x duration + 120)")
     p.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of "
                                                              + ",".join(PATHS))
+    p.add_argument("--together", action="store_true",
+                   help="run edge and traced at once, streams alternating between them "
+                        "(a paired comparison: half the streams each)")
     p.add_argument("--smoke", action="store_true",
                    help="20 streams for 2 s: checks the runner, measures nothing")
     p.add_argument("--model", default="", help=f"tokenizer dir (default: {DEFAULT_MODEL_DIR})")
@@ -282,7 +285,7 @@ def _edge(argv: list[str]) -> int:
     # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
     signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
     with contextlib.redirect_stdout(sys.stderr):
-        result = bench_edge(st, paths, model)
+        result = bench_edge(st, paths, model, a.together)
     result["command"] = "pdserve bench edge " + shlex.join(argv)
     print(json.dumps(result) if a.json else table(result))
     return 0

@@ -15,7 +15,10 @@ after another, in the same run:
 - `traced`: the same with tracing on: every request's spans exported over OTLP
   (http/protobuf unless OTEL_EXPORTER_OTLP_PROTOCOL says grpc) to a collector in
   this process. `tracing` compares it with `edge`: the cost of
-  tracing per token (target: under 5% added latency).
+  tracing per token (target: under 5% added latency). With `together`, `edge`
+  and `traced` run at the same time, the streams alternating between them, so
+  the comparison is paired: both see the same machine, second by second
+  (one after the other, this box's run-to-run drift is larger than the cost).
 
 The load comes from separate client processes (uvloop, raw asyncio streams, a
 minimal HTTP/1.1 + SSE reader): a token's latency is its arrival time minus its
@@ -199,21 +202,22 @@ async def _drive(spec: dict) -> dict:
     loop = asyncio.get_running_loop()
     body = json.dumps({"model": spec["model"], "prompt": PROMPT, "max_tokens": spec["max_tokens"],
                        "stream": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {spec['host']}:{spec['port']}\r\n"
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {spec['host']}\r\n"
                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
-    lat, spans, errors = array("q"), array("q"), Counter()
-    held = 0
+    ports = spec["ports"]
+    lat, spans = [array("q") for _ in ports], [array("q") for _ in ports]
+    errors, held = [Counter() for _ in ports], [0] * len(ports)
 
     async def one(j: int) -> None:
-        nonlocal held
+        k = (j // spec["of"]) % len(ports)      # this client's streams alternate over ports
         start = spec["start_at"] + j * spec["ramp"] / spec["streams"]
         await asyncio.sleep(max(0.0, start - time.monotonic()))
         done = loop.create_future()
-        s = _Stream(request, lat, done)
+        s = _Stream(request, lat[k], done)
         try:
             async with asyncio.timeout(start + spec["timeout"] - time.monotonic()):
-                await loop.create_connection(lambda: s, spec["host"], spec["port"])
+                await loop.create_connection(lambda: s, spec["host"], ports[k])
                 await done
         except TimeoutError:
             s.error = s.error or "timeout"
@@ -227,16 +231,16 @@ async def _drive(spec: dict) -> dict:
         if not s.error and s.tokens != spec["max_tokens"]:
             s.error = "short_stream" if s.tokens < spec["max_tokens"] else "extra_tokens"
         if s.error:
-            errors[s.error] += 1
+            errors[k][s.error] += 1
         else:
-            held += 1
+            held[k] += 1
         if s.first:
-            spans.extend((s.first, s.last))
+            spans[k].extend((s.first, s.last))
 
     await asyncio.gather(*(one(j) for j in range(spec["index"], spec["streams"], spec["of"])))
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"held": held, "errors": dict(errors), "cpu_s": ru.ru_utime + ru.ru_stime,
-            "lat": lat, "spans": spans}
+    return {"held": held, "errors": [dict(e) for e in errors],
+            "cpu_s": ru.ru_utime + ru.ru_stime, "lat": lat, "spans": spans}
 
 
 def client_main(spec: dict) -> None:
@@ -245,8 +249,9 @@ def client_main(spec: dict) -> None:
     raise_nofile()
     res = uvloop.run(_drive(spec))
     out = Path(spec["out"])
-    out.with_suffix(".lat").write_bytes(res.pop("lat").tobytes())
-    out.with_suffix(".spans").write_bytes(res.pop("spans").tobytes())
+    for k, (lat, spans) in enumerate(zip(res.pop("lat"), res.pop("spans"))):
+        out.with_suffix(f".lat{k}").write_bytes(lat.tobytes())
+        out.with_suffix(f".spans{k}").write_bytes(spans.tobytes())
     out.with_suffix(".json").write_text(json.dumps(res))
 
 
@@ -259,7 +264,8 @@ class _Deployment:
         from .deployments import _Children
         self.model, self.rate, self.tmp = model, rate, tmp
         self._children = _Children
-        self.source = self.nginx = self.router = self.edge = None
+        self.source = self.nginx = None
+        self.edges: dict[str, tuple] = {}       # path name -> (router, edge) processes
         self.ports: dict[str, int] = {}
 
     def start_source(self) -> None:
@@ -283,19 +289,21 @@ class _Deployment:
                           str(prefix / "error.log"), "-g", "daemon off;"], {})
         self.nginx.wait_healthy([f"http://127.0.0.1:{port}/health"])
 
-    def start_edge(self, env: dict | None = None) -> None:
+    def start_edge(self, name: str, env: dict | None = None) -> None:
+        """A router and an edge for path `name` (its port: ports[name])."""
         from .deployments import free_port
-        self.ports |= {"router": free_port(), "edge": free_port(), "edge_grpc": free_port()}
+        port, router_port, grpc_port = free_port(), free_port(), free_port()
+        self.ports[name] = port
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
-        self.router = self._children("edge-router")
-        self.router.start([*cli, "router", "--port", str(self.ports["router"]),
-                           "--decode-worker", f"127.0.0.1:{self.ports['grpc']}"], env or {})
-        self.edge = self._children("edge-edge")
-        self.edge.start([*cli, "edge", "--router", f"127.0.0.1:{self.ports['router']}",
-                         "--port", str(self.ports["edge"]), "--grpc-port",
-                         str(self.ports["edge_grpc"]), "--model", self.model,
-                         "--min-prefill-workers", "0"], env or {})
-        self.edge.wait_healthy([f"http://127.0.0.1:{self.ports['edge']}/health"])
+        router = self._children(f"{name}-router")
+        edge = self._children(f"{name}-edge")
+        self.edges[name] = (router, edge)
+        router.start([*cli, "router", "--port", str(router_port),
+                      "--decode-worker", f"127.0.0.1:{self.ports['grpc']}"], env or {})
+        edge.start([*cli, "edge", "--router", f"127.0.0.1:{router_port}", "--port", str(port),
+                    "--grpc-port", str(grpc_port), "--model", self.model,
+                    "--min-prefill-workers", "0"], env or {})
+        edge.wait_healthy([f"http://127.0.0.1:{port}/health"])
 
     @staticmethod
     def pids(children) -> list[int]:
@@ -315,8 +323,7 @@ class _Deployment:
         if name == "nginx":
             logs = [self.tmp / "nginx" / "error.log"]
         else:
-            procs = {"direct": [self.source], "edge": [self.edge, self.router],
-                     "traced": [self.edge, self.router]}[name]
+            procs = [self.source] if name == "direct" else list(self.edges.get(name, ()))
             logs = [log for c in procs if c for _, log in c.procs]
         seen: Counter = Counter()
         for log in logs:
@@ -330,14 +337,13 @@ class _Deployment:
             self.nginx.stop()
             self.nginx = None
 
-    def stop_edge(self) -> None:
-        for c in (self.edge, self.router):
-            if c:
-                c.stop()
-        self.edge = self.router = None
+    def stop_edge(self, name: str) -> None:
+        for c in self.edges.pop(name, ()):
+            c.stop()
 
     def stop(self) -> None:
-        self.stop_edge()
+        for name in list(self.edges):
+            self.stop_edge(name)
         self.stop_nginx()
         if self.source:
             self.source.stop()
@@ -413,16 +419,17 @@ def _peak_concurrency(spans) -> int:
     return int(np.cumsum(steps[order]).max())
 
 
-def _run_clients(st: Settings, port: int, model: str, tmp: Path, watch: list[int],
-                 source_url: str) -> tuple[list[dict], float, float]:
-    """Spawn the clients, sample `watch`'s RSS until they exit; (results, peak RSS, wall s)."""
+def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: list[list[int]],
+                 source_url: str) -> tuple[list[list[dict]], list[float], float]:
+    """Spawn the clients (their streams alternate over `ports`), sample each port's
+    `watch` RSS until they exit; (results per port, peak RSS per port, wall s)."""
     import numpy as np
     start_at = time.monotonic() + 1.0           # after the clients' own start-up (~0.2 s)
-    base = {"host": "127.0.0.1", "port": port, "model": model, "max_tokens": st.max_tokens,
+    base = {"host": "127.0.0.1", "ports": ports, "model": model, "max_tokens": st.max_tokens,
             "streams": st.streams, "of": st.clients, "ramp": st.ramp, "start_at": start_at,
             "timeout": st.stream_timeout}
     procs = []
-    peak = 0.0
+    peak = [0.0] * len(ports)
     t0 = time.monotonic()
     try:
         for i in range(st.clients):
@@ -431,7 +438,7 @@ def _run_clients(st: Settings, port: int, model: str, tmp: Path, watch: list[int
                                            json.dumps(spec)], start_new_session=True))
         last_note = time.monotonic()
         while any(p.poll() is None for p in procs):
-            peak = max(peak, _rss_mib(watch))
+            peak = [max(p, _rss_mib(w)) for p, w in zip(peak, watch)]
             if time.monotonic() - last_note > 5:
                 last_note = time.monotonic()
                 progress(f"  {time.monotonic() - t0:.0f} s: {_source_note(source_url)}")
@@ -442,15 +449,17 @@ def _run_clients(st: Settings, port: int, model: str, tmp: Path, watch: list[int
             if p.poll() is None:
                 p.kill()
             p.wait()
-    results = []
+    results: list[list[dict]] = [[] for _ in ports]
     for i, p in enumerate(procs):
         out = tmp / f"client{i}"
         if p.returncode != 0 or not out.with_suffix(".json").exists():
             raise RuntimeError(f"load client {i} failed (exit {p.returncode})")
         r = json.loads(out.with_suffix(".json").read_text())
-        r["lat"] = np.fromfile(out.with_suffix(".lat"), dtype=np.int64)
-        r["spans"] = np.fromfile(out.with_suffix(".spans"), dtype=np.int64)
-        results.append(r)
+        for k in range(len(ports)):
+            results[k].append({
+                "held": r["held"][k], "errors": r["errors"][k], "cpu_s": r["cpu_s"] / len(ports),
+                "lat": np.fromfile(out.with_suffix(f".lat{k}"), dtype=np.int64),
+                "spans": np.fromfile(out.with_suffix(f".spans{k}"), dtype=np.int64)})
     return results, peak, wall
 
 
@@ -479,14 +488,35 @@ def warm_up(port: int, model: str) -> None:
 def measure(name: str, st: Settings, port: int, model: str, tmp: Path, proxy: list[int],
             source: list[int], source_url: str) -> dict:
     """Run the streams through one path; its figures (latencies in ms)."""
-    import numpy as np
+    return measure_together({name: (port, proxy)}, st, model, tmp, source, source_url)[name]
 
+
+def measure_together(paths: dict[str, tuple[int, list[int]]], st: Settings, model: str,
+                     tmp: Path, source: list[int], source_url: str) -> dict[str, dict]:
+    """Run the streams through the paths at once (name -> port, proxy pids), alternating
+    over them; each path's figures."""
     from .deployments import cpu_seconds
-    warm_up(port, model)
-    progress(f"{name}: {st.streams} streams x {st.max_tokens} tokens at {st.rate:g}/s")
-    cpu0, src0 = cpu_seconds(proxy), cpu_seconds(source)
-    results, peak, wall = _run_clients(st, port, model, tmp, proxy, source_url)
-    cpu, src = cpu_seconds(proxy) - cpu0, cpu_seconds(source) - src0
+    for port, _ in paths.values():
+        warm_up(port, model)
+    names = " and ".join(paths)
+    progress(f"{names}: {st.streams} streams x {st.max_tokens} tokens at {st.rate:g}/s")
+    cpu0 = [cpu_seconds(proxy) for _, proxy in paths.values()]
+    src0 = cpu_seconds(source)
+    results, peaks, wall = _run_clients(st, [port for port, _ in paths.values()], model, tmp,
+                                        [proxy for _, proxy in paths.values()], source_url)
+    src = cpu_seconds(source) - src0
+    out = {}
+    for k, (name, (_, proxy)) in enumerate(paths.items()):
+        cpu = cpu_seconds(proxy) - cpu0[k]
+        out[name] = _figures(name, results[k], peaks[k] if proxy else None, cpu if proxy
+                             else None, src / len(paths), wall)
+    return out
+
+
+def _figures(name: str, results: list[dict], peak: float | None, cpu: float | None,
+             src: float, wall: float) -> dict:
+    """One path's figures from its clients' results."""
+    import numpy as np
     lat = np.concatenate([r["lat"] for r in results])
     errors = sum((Counter(r["errors"]) for r in results), Counter())
     tokens = int(len(lat))
@@ -496,14 +526,14 @@ def measure(name: str, st: Settings, port: int, model: str, tmp: Path, proxy: li
            "error_kinds": dict(errors), "tokens": tokens,
            "latency_p50_ms": q(50), "latency_p99_ms": q(99), "latency_max_ms": q(100),
            "added_p50_ms": 0.0, "added_p99_ms": 0.0,
-           "cpu_s_per_1k_tokens": per_1k(cpu if proxy else src),
+           "cpu_s_per_1k_tokens": per_1k(src if cpu is None else cpu),
            "source_cpu_s_per_1k_tokens": per_1k(src),
            "peak_concurrent_streams": _peak_concurrency(np.concatenate(
                [r["spans"] for r in results])),
            "client_cpu_s": round(sum(r["cpu_s"] for r in results), 2), "wall_s": round(wall, 1)}
-    if proxy:
+    if peak is not None:
         out["proxy_rss_mib"] = round(peak, 1)
-    progress(f"{name}: held {out['streams_held']}/{st.streams}, errors {dict(errors) or 0}, "
+    progress(f"{name}: held {out['streams_held']}, errors {dict(errors) or 0}, "
              f"p50 {out['latency_p50_ms']} ms, p99 {out['latency_p99_ms']} ms, "
              f"{out['cpu_s_per_1k_tokens']} CPU s / 1k tokens")
     return out
@@ -543,8 +573,10 @@ def _note_errors(dep: _Deployment, name: str, section: dict) -> None:
         progress(f"{name}: {section['errors']} errors; its log:\n{dep.log_summary(name)}")
 
 
-def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
-    """Start the source, then each path's proxy in turn; measure; stop everything."""
+def bench_edge(st: Settings, paths: list[str], model: str, together: bool = False) -> dict:
+    """Start the source, then each path's proxy in turn; measure; stop everything.
+    `together`: `edge` and `traced` run at once, streams alternating between them
+    (each gets half), so both see the same machine."""
     nofile = raise_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-edge-"))
     dep = _Deployment(model, st.rate, tmp)
@@ -570,25 +602,14 @@ def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
                                          _Deployment.pids(dep.nginx), source, source_url)
                 _note_errors(dep, name, sections[name])
                 dep.stop_nginx()
-            else:
-                traced = name == "traced"
-                progress(f"starting pdserve router + edge{' (tracing on)' if traced else ''}")
-                collector = Collector() if traced else None
-                try:
-                    dep.start_edge(_tracing_env(collector) if traced else None)
-                    sections[name] = measure(name, st, dep.ports["edge"], model, tmp,
-                                             _Deployment.pids(dep.edge), source, source_url)
-                    _note_errors(dep, name, sections[name])
-                    dep.stop_edge()                 # flushes the last spans
-                finally:
-                    if collector:
-                        sections[name]["spans_exported"] = len(collector.spans)
-                        collector.stop()
+            elif name not in sections:
+                pair = [n for n in ("edge", "traced") if n in paths] if together else [name]
+                sections |= _measure_edges(dep, pair, st, model, tmp, source, source_url)
     finally:
         dep.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     _added(sections)
-    result = {"settings": {**asdict(st), "max_tokens": st.max_tokens,
+    result = {"settings": {**asdict(st), "max_tokens": st.max_tokens, "together": together,
                            "stream_timeout_s": st.stream_timeout, "nginx_workers": nginx_workers(st.streams, nofile),
                            "nofile": nofile,
                            "cores": len(os.sched_getaffinity(0))},
@@ -599,6 +620,28 @@ def bench_edge(st: Settings, paths: list[str], model: str) -> dict:
         result["tracing"] = tracing_cost(sections["edge"], sections["traced"])
     result["targets"] = targets(result)
     return result
+
+
+def _measure_edges(dep: _Deployment, names: list[str], st: Settings, model: str, tmp: Path,
+                   source: list[int], source_url: str) -> dict[str, dict]:
+    """Start a router + edge per path (`traced`: tracing on, to a collector here),
+    measure them at once, stop them (which flushes the last spans)."""
+    collector = Collector() if "traced" in names else None
+    try:
+        for name in names:
+            progress(f"starting pdserve router + edge for {name}")
+            dep.start_edge(name, _tracing_env(collector) if name == "traced" else None)
+        out = measure_together({n: (dep.ports[n], _Deployment.pids(dep.edges[n][1]))
+                                for n in names}, st, model, tmp, source, source_url)
+        for name in names:
+            _note_errors(dep, name, out[name])
+            dep.stop_edge(name)
+        if collector:
+            out["traced"]["spans_exported"] = len(collector.spans)
+        return out
+    finally:
+        if collector:
+            collector.stop()
 
 
 def _tracing_env(collector: Collector) -> dict:
