@@ -6,7 +6,7 @@ import logging
 from aiohttp import web
 
 from pdserve.config import EdgeConfig
-from pdserve.lifecycle import until_signalled
+from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import inference_pb2_grpc
 
@@ -48,6 +48,7 @@ async def serve(cfg: EdgeConfig) -> None:
     # (aiohttp's default of 128 dropped 740 of 10,000 streams opened in a second).
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
     await site.start()
+    freeze_startup_heap()
     log.info("edge listening on http://%s:%d, Inference gRPC on :%d (model %s, router %s)",
              cfg.host, cfg.port, grpc_server.port, cfg.name, cfg.router)
     try:

@@ -13,7 +13,7 @@ import grpc
 import prometheus_client
 
 from pdserve.config import RouterConfig
-from pdserve.lifecycle import until_signalled
+from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -92,6 +92,7 @@ async def serve(cfg: RouterConfig) -> None:
     service.on_join = probes.wake
     await server.start()
     probes.start()
+    freeze_startup_heap()
     if cfg.metrics_port:
         prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host,
                                             registry=service.metrics.registry)

@@ -16,7 +16,7 @@ import prometheus_client
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.config import WorkerConfig
-from pdserve.lifecycle import until_signalled
+from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
 from transfer.service import SERVICE_NAME as LEASE_SERVICE
@@ -72,6 +72,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     address = f"{cfg.advertise_host or cfg.host}:{server.port}"
     info = router_pb2.WorkerInfo(worker_id=worker_id, role=_ROLES[cfg.role], address=address,
                                  model=cfg.engine.name, serving=True)
+    freeze_startup_heap()
     registration = RouterRegistration(cfg.router, info, cfg.heartbeat_seconds)
     registration.start()
     log.info("%s worker %s serving on %s", cfg.role, worker_id, address)
