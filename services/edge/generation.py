@@ -15,6 +15,13 @@ dead worker would have drawn (the new engine's generator starts afresh), and
 presence/frequency penalties forget the tokens generated before the move
 (they count output tokens, which the new leg sees as prompt).
 
+A leg counts as stalled only when its worker as a whole has been silent that
+long (`Heard`): an edge that is itself behind reads every stream late, and a
+stream it has not read for seconds is not its worker's fault (at 10,000
+streams on one overloaded edge, blaming the worker moved 1,127 healthy
+generations and cut them short). A single request stuck on a worker that
+serves others is left to the request's deadline.
+
 Every leg that ends early is aborted explicitly on its worker (decode engine,
 and the prefill lease it never pulled), not left to a timeout. All calls run
 against the request's own deadline.
@@ -133,6 +140,18 @@ class _Stalled(Exception):
     """A decode leg sent nothing within its stall deadline."""
 
 
+class Heard:
+    """When this edge last read output from each decode worker, on any of its legs."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}             # worker id -> loop.time()
+
+    def since(self, worker_id: str, leg_last: float) -> float:
+        """The last sign of life that clears a leg of `worker_id` silent since
+        `leg_last`: its own output, or its worker's on another leg."""
+        return max(leg_last, self.at.get(worker_id, leg_last))
+
+
 @dataclass(slots=True)
 class GenerationStream:
     """A placed request: its path is known; iterate `chunks()` for tokens and text."""
@@ -152,6 +171,7 @@ class GenerationStream:
     migrations: list[float] = field(default_factory=list)   # ms from failure to next leg
     failed: dict[str, float] = field(default_factory=dict)  # worker id -> when it failed us
     aborts: set = field(default_factory=set)    # in-flight Abort calls (kept referenced)
+    heard: Heard = field(default_factory=Heard)  # shared by the edge's generations
     _last_output: float = 0.0                   # loop.time() of the leg's last output
     _last_token_at: float = 0.0                 # perf_counter() of the last output with tokens
     _stalled: bool = False
@@ -210,7 +230,7 @@ class GenerationStream:
         self._watch(call)
         try:
             async for resp in call:
-                self._last_output = loop.time()
+                self._last_output = self.heard.at[leg.worker_id] = loop.time()
                 if not resp.HasField("chunk"):
                     # The last message; the call ends right after it. Reading on to its
                     # end lets the call close cleanly (and its trace span end).
@@ -281,10 +301,11 @@ class GenerationStream:
             self._last_output + self._stall_limit(), self._check_stall, call)
 
     def _check_stall(self, call) -> None:
-        """The watchdog: cancels the call when the leg has been silent too long, else
-        looks again when it next could be (one timer per leg, not one per token)."""
+        """The watchdog: cancels the call when the leg and its worker have been silent
+        too long, else looks again when it next could be (one timer per leg, not one
+        per token)."""
         loop = asyncio.get_running_loop()
-        due = self._last_output + self._stall_limit()
+        due = self.heard.since(self.leg.worker_id, self._last_output) + self._stall_limit()
         if loop.time() >= due:
             self._stalled = True
             call.cancel()

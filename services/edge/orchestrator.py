@@ -32,7 +32,7 @@ from pdserve.v1 import router_pb2, router_pb2_grpc, transfer_pb2, transfer_pb2_g
 
 from .detokenizer import StopRule, TextStream
 from .engine_requests import prefill_request
-from .generation import (DecodeLeg, Generation, GenerationStream, Resilience, api_error,
+from .generation import (DecodeLeg, Generation, GenerationStream, Heard, Resilience, api_error,
                          in_background)
 
 log = logging.getLogger("pdserve.edge")
@@ -56,6 +56,7 @@ class Orchestrator:
         self.timeout = request_timeout
         self.tokenizer = tokenizer
         self.resilience = resilience
+        self.heard = Heard()                # decode workers' last output, for stall checks
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.prefill_fallbacks = 0          # requests prefilled locally after prefill failed
         self.prefill_failovers = 0          # prefill legs retried on another worker
@@ -87,6 +88,7 @@ class Orchestrator:
                  leg.worker_id, stats.get("prefill_worker", "-"), stats["reason"])
         return GenerationStream(
             gen=gen, path=path, leg=leg, place=self.place, resilience=self.resilience,
+            heard=self.heard,
             text=TextStream(self.tokenizer, gen.prompt_token_ids,
                             _stop_rule(self.tokenizer, gen.sampling)), stats=stats)
 

@@ -129,3 +129,35 @@ async def test_the_request_budget_ends_it_everywhere(model_dir):
                                  headers={"x-pdserve-timeout-ms": "soon"}) as r:
                 assert r.status == 400
                 assert (await r.json())["error"]["param"] == "x-pdserve-timeout-ms"
+
+
+async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(model_dir):
+    """An overloaded edge reads some streams seconds late. A leg it has not read for
+    longer than the stall deadline, on a worker whose other legs keep talking, is the
+    edge's delay, not a stall: it must not be moved (or cut short)."""
+    from pdserve.v1 import common_pb2
+    from services.edge.app import ORCH
+    from services.edge.generation import Generation
+
+    async with edge_stack(model_dir, rate=50.0, decode_stall_seconds=0.3) as stack:
+        orch = stack.app[ORCH]
+
+        async def start(rid: str, max_tokens: int):
+            return await orch.start(Generation(
+                request_id=rid, model=stack.model, prompt_token_ids=[1, 2, 3],
+                sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        talker, late = await start("talker", 60), await start("late", 20)
+
+        async def read(stream, pause_after: int = 0):
+            chunks = stream.chunks()
+            n = 0
+            async for chunk in chunks:
+                n += len(chunk.token_ids) and 1
+                if n == pause_after:
+                    await asyncio.sleep(1.0)        # the edge is busy elsewhere: 3x the deadline
+            return n
+        read_talker = asyncio.create_task(read(talker))
+        assert await read(late, pause_after=3) == 20
+        assert late.migrations == [] and late.finish_reason == "length"
+        await read_talker
+        # A worker silent on every leg is still left within the deadline (see the freeze test).
