@@ -255,8 +255,8 @@ class Admission:
         return Ticket(self, key.tenant, slot, waited)
 
     def _dispatch(self) -> None:
-        """Admit queued requests while there is room: by class, tenants in turn
-        (a tenant the last slot is not for waits; the next one may take it)."""
+        """Admit queued requests while there is room, in `_next`'s order (a tenant
+        past its share while others are owed theirs waits; another may go)."""
         while self.room >= 1 and self.queued:
             pick = self._next()
             if pick is None:
