@@ -151,6 +151,26 @@ async def test_a_newcomer_expected_to_wait_too_long_is_refused_on_arrival():
     assert adm.in_flight == 0 and adm.queued == 0
 
 
+async def test_a_tenant_past_its_share_expects_to_wait_for_its_own_slots():
+    adm = Admission(max_queue=10, max_wait=0.5)
+    adm.observe(4)
+    first = await adm.admit(key("a"))
+    await asyncio.sleep(0.2)
+    first.release()                     # holds last ~0.2 s (deviation ~0.1 s)
+    held = [await adm.admit(key("a")) for _ in range(2)]     # a at its share (2 of 4)...
+    b = await adm.admit(key("b"))       # ...b active and owed one more: the free slot is b's
+    assert adm.room == 1
+    started = time.perf_counter()
+    with pytest.raises(APIError) as e:
+        # Not 0 s (a slot is free, but owed to b): a waits for one of its own to end,
+        # ~0.2 s + 4 deviations, past the 0.5 s allowance.
+        await adm.admit(key("a"))
+    assert e.value.code == "wait" and time.perf_counter() - started < 0.01
+    for t in [*held, b]:
+        t.release()
+    assert adm.in_flight == 0
+
+
 async def test_a_request_admitted_as_its_wait_runs_out_keeps_its_slot():
     adm = Admission(max_queue=10, max_wait=0.05)
     adm.observe(1)
