@@ -9,27 +9,31 @@ exactly, from admission on, through their prefill). The engines' reported
 load is not subtracted: it lags by up to a heartbeat (load records ride on
 KV-event batches, which short prompts do not produce), and the router's count
 of placements since is an upper bound that held free slots shut (a closed
-loop at capacity ran at 40 % of its rate). So with several edge replicas each admits up to the whole pool, and
-the engines' own queues take the excess (see the README). Otherwise it waits,
-in its key's priority class (high before normal before low) and, within a
-class, in its tenant's line: the tenant holding the fewest slots goes next
-(ties take turns), so one tenant's burst queues behind its own requests, not
-in front of another tenant's steady traffic; and each active tenant is
-guaranteed its share of the pool (`_may_take`), so a burst cannot hold the
-slots another tenant's next request needs. When the queue is full, a newcomer takes the place of the newest
-request of a lower class, or of the tenant with the longest line in its own
-class (if that line is longer than its own tenant's), so a burst fills the
-queue with its own requests but cannot shut others out of it. The queue is
-bounded in length and in wait: past either, 503 with
-`Retry-After` at once (a caller that is refused quickly can go elsewhere; one
-that waits past its SLO is served too late to count). The wait is bounded
-twice: a newcomer expected to wait past it is refused on arrival (see
-`expected_wait`: its turns ahead, in the order the queue serves them, against
-when the requests running now should end, from their start and the recent mean
-hold time; requests of one size end together, so "capacity per hold time"
-would be wrong), and one that still waits that long is refused then. So the bound is the operator's
-queueing allowance in the TTFT SLO, and most refusals cost no waiting. Draining
-admits nothing more.
+loop at capacity ran at 40 % of its rate). So with several edge replicas each
+admits up to the whole pool, and the engines' own queues take the excess (see
+the README).
+
+Otherwise it waits, in its key's priority class (high before normal before
+low) and, within a class, in its tenant's line: the tenant holding the fewest
+slots goes next (ties take turns), so one tenant's burst queues behind its own
+requests, not in front of another tenant's steady traffic; and each active
+tenant is guaranteed its share of the pool (`_may_take`), so a burst cannot
+hold the slots another tenant's next request needs. When the queue is full, a
+newcomer takes the place of the newest request of a lower class, or of the
+tenant with the longest line in its own class (if that line is longer than its
+own tenant's), so a burst fills the queue with its own requests but cannot
+shut others out of it.
+
+The queue is bounded in length and in wait, and a refusal is a 503 with
+`Retry-After` (a caller that is refused quickly can go elsewhere; one that
+waits past its SLO is served too late to count). The wait bound is the
+operator's queueing allowance in the TTFT SLO, applied twice: a newcomer
+expected to wait past it is refused on arrival (`expected_wait`: its turns
+ahead, in the order the queue serves them, against when the requests running
+now should end, from their start and the recent mean hold time; requests of one
+size end together, so "capacity per hold time" would be wrong), and one still
+waiting when it runs out is refused then. So most refusals cost no waiting.
+Draining admits nothing more.
 """
 from __future__ import annotations
 
