@@ -156,11 +156,13 @@ class Admission:
         ahead += sum(min(len(line), max(0, level - self._holding.get(tenant, 0)))
                      for tenant, line in lines.items() if tenant != key.tenant) + mine
         ends = ahead + 1 - max(0, int(self.room))         # slots that must free first
-        slots = [taken for taken, _ in self._slots.values()]
         share, owed = self._share(key.tenant)
-        if owed and self._holding.get(key.tenant, 0) + mine >= share:
-            own = [taken for taken, tenant in self._slots.values() if tenant == key.tenant]
-            ends, slots = mine + 1, own or slots
+        capped = owed and self._holding.get(key.tenant, 0) + mine >= share
+        slots = [taken for taken, tenant in self._slots.values()
+                 if not capped or tenant == key.tenant]
+        if capped:
+            ends = mine + 1
+            slots = slots or [taken for taken, _ in self._slots.values()]
         if ends <= 0:
             return 0.0
         rounds, i = divmod(ends - 1, len(slots))
