@@ -28,6 +28,7 @@ workers' next events arrive, within a step of the engines.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -58,7 +59,9 @@ class Policy:
     load_tokens: int = 256              # one request in flight costs this many tokens to prefill
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _score(session_id: str, worker_id: str) -> int:
+    """Rendezvous weight of a session on a worker (cached: a session's turns ask again)."""
     return int.from_bytes(hashlib.blake2b(f"{session_id}/{worker_id}".encode(),
                                           digest_size=8).digest(), "big")
 

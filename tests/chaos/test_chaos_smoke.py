@@ -12,7 +12,7 @@ from support import ROOT
 
 def test_no_stream_is_lost_when_workers_die(model_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "chaos", "--seed", "3", "--duration", "18",
+        [sys.executable, "-m", "pdserve.cli", "chaos", "--seed", "3", "--duration", "10",
          "--faults", "kill,stop", "--first-fault", "2", "--gap", "3", "--model", str(model_dir),
          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.stdout.strip(), out.stderr[-3000:]
