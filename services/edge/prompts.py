@@ -40,6 +40,15 @@ class PromptEncoder:
     def __init__(self, model: str):
         self.tokenizer = load_tokenizer(model)
         self.vocab_size = len(self.tokenizer)
+        # A fast tokenizer's Rust model, called directly: the same ids as its
+        # `encode` (no truncation or padding is asked for), without the wrapper's
+        # batch encoding around them (a quarter of the encode's CPU at 1,024 tokens).
+        self._rust = getattr(self.tokenizer, "_tokenizer", None)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._rust is not None:
+            return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode(self, req: CompletionRequest) -> list[int]:
         """Token ids of the request's prompt; raises APIError for unusable input."""
@@ -50,14 +59,14 @@ class PromptEncoder:
             except Exception as e:  # jinja raises its own types for bad turn orders etc.
                 raise APIError(400, f"messages cannot be rendered by the chat template: {e}",
                                param="messages") from e
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self._encode(text, add_special_tokens=False)
         if isinstance(req.prompt, tuple):
             return self.check_ids(list(req.prompt), param="prompt")
         return self.encode_text(req.prompt)
 
     def encode_text(self, text: str) -> list[int]:
         """A completion prompt's ids: the tokenizer's own special tokens included."""
-        return self.tokenizer.encode(text)
+        return self._encode(text, add_special_tokens=True)
 
     def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         """Token ids given by the caller, checked against the vocabulary."""

@@ -24,7 +24,10 @@ def test_the_edge_encodes_exactly_as_autotokenizer(model_dir):
                             {"m"})
         text = auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert encoder.encode(req) == auto.encode(text, add_special_tokens=False)
-    for prompt in ["hello world", "  spaces\tand\nlines ", "Ünïcödé"]:
+    # Special tokens spelled in the text, and a long prompt, encode alike too.
+    specials = f"{auto.bos_token} a {auto.eos_token}{auto.eos_token} b"
+    long = " ".join(auto.decode([t]) for t in range(300, 1500))
+    for prompt in ["hello world", "  spaces\tand\nlines ", "Ünïcödé", specials, long]:
         assert encoder.encode_text(prompt) == auto.encode(prompt)
     assert encoder.vocab_size == len(auto)
     assert encoder.tokenizer.eos_token_id == auto.eos_token_id
