@@ -177,30 +177,39 @@ class Admission:
         self._holding[tenant] -= 1
         self._dispatch()
 
-    def _may_take(self, tenant: str) -> bool:
+    def _may_take(self, tenant: str, fair: tuple[float, float] | None = None) -> bool:
         """Room for `tenant`. Each tenant active now (it asked in the last
         ACTIVE_SECONDS) is guaranteed its share of the pool: below it, a tenant
         takes any free slot; at or above it, only slots that no other active
         tenant is still owed. Slots cannot be taken back from a running request,
         so a tenant that keeps the pool full leaves the others' unused shares
         free for their next requests instead of making them wait for one to end
-        (the price: those slots may idle while their tenant is quiet)."""
+        (the price: those slots may idle while their tenant is quiet). `fair`:
+        `_fair()`, when the caller asks for many tenants at one moment."""
         if self.room < 1:
             return False
-        share, owed = self._share(tenant)
+        share, owed = fair or self._fair()
+        # At or past its share, a tenant is owed nothing itself: all of `owed` is others'.
         return self._holding.get(tenant, 0) < share or self.room - owed >= 1
 
-    def _share(self, tenant: str) -> tuple[float, float]:
-        """(`tenant`'s share of the pool, the slots the other active tenants are still
-        owed of theirs)."""
+    def _fair(self) -> tuple[float, float]:
+        """(Each active tenant's share of the pool, the slots the active tenants are
+        still owed of theirs, in all)."""
         now = time.monotonic()
         for t in [t for t, at in self._seen.items() if now - at > ACTIVE_SECONDS]:
             del self._seen[t]
         if len(self._seen) <= 1:
             return self.capacity, 0.0
         share = self.capacity / len(self._seen)
-        return share, sum(max(0.0, share - self._holding.get(t, 0))
-                          for t in self._seen if t != tenant)
+        return share, sum(max(0.0, share - self._holding.get(t, 0)) for t in self._seen)
+
+    def _share(self, tenant: str) -> tuple[float, float]:
+        """(`tenant`'s share of the pool, the slots the other active tenants are still
+        owed of theirs)."""
+        share, owed = self._fair()
+        if owed and tenant in self._seen:
+            owed = max(0.0, owed - max(0.0, share - self._holding.get(tenant, 0)))
+        return share, owed
 
     def _take(self, tenant: str) -> int:
         self.in_flight += 1
@@ -283,9 +292,10 @@ class Admission:
         """Whose request goes next: the highest class with a tenant that may take the
         room; in it, the tenant holding the fewest slots now (so a light tenant's request
         is not queued behind a heavy one's turns), ties in turn."""
+        fair = self._fair()                     # once per step, not once per tenant
         for lines in self._lines:
             ready = [(self._holding.get(t, 0), i, t) for i, t in enumerate(lines)
-                     if self._may_take(t)]
+                     if self._may_take(t, fair)]
             if ready:
                 _, _, tenant = min(ready)
                 return lines, tenant, lines[tenant]

@@ -306,3 +306,24 @@ async def test_a_tenant_filling_the_pool_leaves_the_last_slot_to_another():
     assert steady.waited < 0.01 and not queued.done()
     burst[0].release()                          # a slot ends: burst's turn again
     await asyncio.wait_for(queued, 1)
+
+
+def test_shares_summed_once_equal_each_tenants_own_sum():
+    """`_share` (from one sum over the active tenants) equals its definition: the share
+    of the pool, and what every other active tenant is still owed of it."""
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        adm = Admission(max_queue=10, max_wait=1)
+        adm.observe(rng.choice([1, 2, 4, 7, 16]))
+        tenants = [f"t{i}" for i in range(rng.randint(1, 6))]
+        now = time.monotonic()
+        for t in tenants:
+            adm._seen[t] = now
+            adm._holding[t] = rng.randint(0, 8)
+        for t in tenants + ["stranger"]:
+            share = adm.capacity / len(tenants) if len(tenants) > 1 else adm.capacity
+            owed = sum(max(0.0, share - adm._holding[o]) for o in tenants if o != t)
+            got_share, got_owed = adm._share(t)
+            assert got_share == pytest.approx(share)
+            assert got_owed == pytest.approx(owed if len(tenants) > 1 else 0.0)
