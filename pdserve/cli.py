@@ -161,6 +161,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="NIXL side-channel port of the first worker (the others count up)")
     up.add_argument("--kv-lease-seconds", type=int, default=KVTransferConfig().lease_seconds,
                     help="free a prefill's blocks no decoder claimed after this long")
+    up.add_argument("--kv-transfer-mode", choices=("pull", "push"),
+                    default=KVTransferConfig().mode,
+                    help="pull: the decode engine READs the prompt's blocks; push: the prefill "
+                         "engine WRITEs them (every worker of the stack alike)")
     up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
     up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
     up.add_argument("--gateway-cpus", default="",
@@ -200,6 +204,10 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--kv-port", type=int, default=5600, help="NIXL side-channel port")
         w.add_argument("--kv-lease-seconds", type=int, default=KVTransferConfig().lease_seconds,
                        help="free a prefill's blocks no decoder claimed after this long")
+        w.add_argument("--kv-transfer-mode", choices=("pull", "push"),
+                       default=KVTransferConfig().mode,
+                       help="pull: the decode engine READs the blocks; push: the prefill "
+                            "engine WRITEs them (prefill and decode workers must agree)")
         w.add_argument("--cpus", default="", help="cores for the engine's threads (cpu)")
         w.add_argument("--metrics-port", type=int, default=0,
                        help="serve the engine's vllm:* Prometheus metrics on this port (0: off)")
@@ -299,6 +307,7 @@ def _config(a: argparse.Namespace):
                             kv=KVTransferConfig(side_channel_host=a.advertise_host or a.host,
                                                 side_channel_port=a.kv_port,
                                                 lease_seconds=a.kv_lease_seconds,
+                                                mode=a.kv_transfer_mode,
                                                 buffer_device=a.device),
                             host=a.host, port=a.port, advertise_host=a.advertise_host,
                             router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port,

@@ -67,10 +67,17 @@ class KVTransferConfig:
     # extends it: only a decoder or an edge that died lets it run out.
     lease_seconds: int = 6
     buffer_device: str = "cpu"           # "cpu" on CPU boxes, "cuda" on GPUs
+    # Who moves the blocks: "pull" (the decode engine READs them from the prefill
+    # engine) or "push" (the prefill engine WRITEs them into blocks the decode
+    # engine allocated). Both ends of a transfer must agree. Measured here:
+    # bench/README.md, "Pull or push".
+    mode: str = "pull"
 
     def __post_init__(self) -> None:
         if self.connector not in ("nixl",):
             raise ValueError(f"kv connector must be 'nixl', got {self.connector!r}")
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"kv mode must be 'pull' or 'push', got {self.mode!r}")
         _check_port("kv side_channel_port", self.side_channel_port)
         _check_positive("kv lease_seconds", self.lease_seconds)
 

@@ -100,6 +100,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
             workers.append((f"{role}-{i}", me + [
                 role, "--port", str(first_port + i), "--router", router,
                 "--kv-port", str(a.kv_port + k), "--kv-lease-seconds", str(a.kv_lease_seconds),
+                "--kv-transfer-mode", a.kv_transfer_mode,
                 "--worker-id", f"{role}-{i}", "--drain-seconds", str(a.drain_seconds)]
                 + pin + metrics
                 + _engine_flags(a, eng), env))

@@ -124,6 +124,26 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def long_context_copy(model_dir: Path, out_dir: Path, positions: int) -> Path:
+    """The model at `model_dir` with a context of `positions` tokens, in `out_dir`:
+    the same weights (linked, not copied) and tokenizer. Llama's rotary positions
+    have no learned table, so only the configs change; for benchmarks of long
+    prompts (the tiny model itself stops at 2,048)."""
+    import json
+
+    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for src in model_dir.iterdir():
+        if src.is_file() and src.name not in ("config.json", "tokenizer_config.json"):
+            (out_dir / src.name).symlink_to(src)
+    for name, key in (("config.json", "max_position_embeddings"),
+                      ("tokenizer_config.json", "model_max_length")):
+        cfg = json.loads((model_dir / name).read_text())
+        cfg[key] = positions
+        (out_dir / name).write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
 def is_complete(model_dir: Path) -> bool:
     return all((Path(model_dir) / name).is_file() for name in REQUIRED_FILES)
 

@@ -2,8 +2,9 @@
 
 Workers ask for `engine_kv_config(role, cfg)` and hand the result to vLLM as
 `kv_transfer_config`; they never name a connector themselves. Today the blocks
-move with vLLM's NixlConnector (UCX underneath; `kv_buffer_device: cpu` on CPU
-boxes). pdserve's own NIXL transfer engine plugs in here later, through
+move with vLLM's NIXL connectors (UCX underneath; `kv_buffer_device: cpu` on CPU
+boxes): `NixlConnector` pulls (the decode engine READs), `NixlPushConnector`
+pushes (the prefill engine WRITEs); `KVTransferConfig.mode` picks one. pdserve's own NIXL transfer engine plugs in here later, through
 `kv_connector_module_path`, without touching the services.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
     if role not in _ROLES:
         raise ValueError(f"role must be one of {sorted(_ROLES)}, got {role!r}")
     return {
-        "kv_connector": "NixlConnector",
+        # Both classes are pdserve's (transfer/vllm_nixl.py), named as vLLM names them.
+        "kv_connector": "NixlPushConnector" if cfg.mode == "push" else "NixlConnector",
         "kv_connector_module_path": "transfer.vllm_nixl",
         "kv_role": _ROLES[role],
         "kv_buffer_device": cfg.buffer_device,

@@ -1,8 +1,10 @@
-"""vLLM's NixlConnector, tuned for pdserve's deployments.
+"""vLLM's NIXL connectors, pull and push, tuned for pdserve's deployments.
 
-vLLM loads this class through `kv_connector_module_path` (see connector.py).
-It keeps the name `NixlConnector` on purpose: vLLM's config checks look the
-connector up by that name. Three things differ from vLLM's own:
+vLLM loads these classes through `kv_connector_module_path` (see connector.py).
+They keep the names `NixlConnector` (pull: the decode engine READs the blocks)
+and `NixlPushConnector` (push: the prefill engine WRITEs them) on purpose:
+vLLM's config checks look the connector up by those names. Four things differ
+from vLLM's own, alike in both:
 
 1. The NIXL progress thread sleeps when idle. NIXL's Python agent hard-codes
    `pthrDelay = 0`, so the UCX progress thread calls poll() with a zero
@@ -37,6 +39,9 @@ import types
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlConnector as _VllmNixlConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlPushConnector as _VllmNixlPushConnector,
 )
 
 from .leases import Leases
@@ -119,9 +124,10 @@ def limit_idle_spin(seconds: float) -> None:
             obj.busy_loop_s = seconds
 
 
-class NixlConnector(_VllmNixlConnector):
-    """vLLM's NixlConnector that keeps its worker's cores, lets NIXL's progress
-    thread sleep in poll() when idle, and stops the engine's idle spin early."""
+class _Tuned:
+    """What pdserve adds to a vLLM NIXL connector (mixed in before vLLM's class): keeps
+    its worker's cores, lets NIXL's progress thread sleep in poll() when idle, stops
+    the engine's idle spin early, and keeps a prefill engine's leases."""
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         poll_us = vllm_config.kv_transfer_config.kv_connector_extra_config.get(
@@ -135,8 +141,8 @@ class NixlConnector(_VllmNixlConnector):
             limit_idle_spin(float(spin_ms) / 1000)
         cores = os.sched_getaffinity(0)
         super().__init__(vllm_config, role, kv_cache_config)
-        # NOTE: threads started inside super().__init__ (NIXL's progress thread)
-        # inherited vLLM's re-pinned set too; confine_threads covers all of them.
+        # NOTE: threads started inside super().__init__ (NIXL's progress thread, the
+        # push writer) inherited vLLM's re-pinned set too; confine_threads covers all.
         confine_threads(cores)
         # The producer's worker side keeps the leases (see transfer/leases.py).
         self.leases = (Leases(self.connector_worker)
@@ -148,3 +154,12 @@ class NixlConnector(_VllmNixlConnector):
         if self.leases is not None:
             self.leases.step(results.finished_sending)
         return results
+
+
+class NixlConnector(_Tuned, _VllmNixlConnector):
+    """vLLM's pull connector (the decode engine READs the prefill's blocks), tuned."""
+
+
+class NixlPushConnector(_Tuned, _VllmNixlPushConnector):
+    """vLLM's push connector (the prefill engine WRITEs into the decode engine's
+    blocks once the decode engine registers them), tuned."""

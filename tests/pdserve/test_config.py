@@ -17,6 +17,7 @@ from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterCon
     (lambda: EngineConfig(model="m", gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (lambda: KVTransferConfig(side_channel_port=70000), "side_channel_port"),
     (lambda: KVTransferConfig(connector="carrier-pigeon"), "connector"),
+    (lambda: KVTransferConfig(mode="teleport"), "mode"),
     (lambda: WorkerConfig(role="cook", engine=EngineConfig(model="m")), "role"),
     (lambda: WorkerConfig(role="decode", engine=EngineConfig(model="m"), metrics_port=70000),
      "metrics_port"),
@@ -49,3 +50,14 @@ def test_a_worker_binds_its_nixl_side_channel_to_the_address_it_advertises():
     assert (cfg.kv.side_channel_host, cfg.kv.lease_seconds) == ("10.0.0.7", 4)
     cfg = _config(_parser().parse_args(["decode"]))
     assert cfg.kv.side_channel_host == "127.0.0.1" and cfg.kv.lease_seconds == 6
+
+
+def test_the_transfer_mode_picks_vllms_connector_by_name_from_pdserves_module():
+    from pdserve.cli import _config, _parser
+    from transfer.connector import engine_kv_config
+    for mode, name in (("pull", "NixlConnector"), ("push", "NixlPushConnector")):
+        cfg = _config(_parser().parse_args(["decode", "--kv-transfer-mode", mode]))
+        kv = engine_kv_config("decode", cfg.kv)
+        assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (name,
+                                                                          "transfer.vllm_nixl")
+    assert _config(_parser().parse_args(["prefill"])).kv.mode == "pull"

@@ -1,0 +1,77 @@
+"""`pdserve up --kv-transfer-mode push`: the prefill engine WRITEs the prompt's
+blocks into the decode engine's (vLLM's NixlPushConnector, with pdserve's tuning
+and leases), and the tokens equal a single engine's, as on the pull path."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from cases import CASES, MAX_TOKENS
+from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
+
+
+@pytest.fixture(scope="module")
+def push(model_dir, reference):
+    ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
+    metrics = free_port_run(2)
+    proc = Proc(pdserve_cmd("up", "--kv-transfer-mode", "push", "--port", str(ports["edge"]),
+                            "--grpc-port", str(ports["grpc"]), "--router-port", str(ports["router"]),
+                            "--prefill-port", str(ports["prefill"]),
+                            "--decode-port", str(ports["decode"]),
+                            "--kv-port", str(free_port_run(2)), "--model", str(model_dir),
+                            "--worker-metrics-port", str(metrics),
+                            # Every case on the P/D path (as the pull stack's equality tests).
+                            "--local-cached-fraction", "1", "--prefill-saturated", "0"),
+                name="pdserve-push")
+    try:
+        proc.wait_for("pdserve ready", timeout=400)
+        yield {"url": f"http://127.0.0.1:{ports['edge']}", "model": str(model_dir),
+               "prefill_metrics": f"http://127.0.0.1:{metrics}/metrics",
+               "decode_metrics": f"http://127.0.0.1:{metrics + 1}/metrics"}
+    finally:
+        assert proc.stop(timeout=90) == 0
+
+
+def _complete(push, case) -> tuple[dict, dict]:
+    path = "chat/completions" if case.kind == "chat" else "completions"
+    req = urllib.request.Request(f"{push['url']}/v1/{path}",
+                                 data=json.dumps(case.body(push["model"], False)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return dict(r.headers), json.loads(r.read())
+
+
+def test_pushed_kv_gives_the_single_engine_tokens(push, reference):
+    leases = 'pdserve:kv_leases_total'
+    released0 = metric_sum(push["prefill_metrics"], leases, 'outcome="released"')
+    all0 = metric_sum(push["prefill_metrics"], leases)
+    for case in CASES:
+        external0 = metric_sum(push["decode_metrics"], "vllm:external_prefix_cache_hits_total")
+        headers, body = _complete(push, case)
+        ref = reference[case.name]
+        choice = body["choices"][0]
+        text = choice["message"]["content"] if case.kind == "chat" else choice["text"]
+        assert headers["x-pdserve-path"] == "disaggregated", case.name
+        assert body["usage"]["completion_tokens"] == MAX_TOKENS
+        assert text == ref["text"], case.name
+        # The prompt's KV arrived from the prefill engine (push counts every prompt
+        # token as arrived; pull all but the last, which the decode engine recomputes).
+        external = metric_sum(push["decode_metrics"],
+                              "vllm:external_prefix_cache_hits_total") - external0
+        prompt = ref["usage"]["prompt_tokens"]
+        assert prompt - 1 <= external <= prompt, case.name
+    # Each prefill's lease ended once, released by the completed WRITE (the worker
+    # hears of the last one at a later engine step, and publishes its counts then).
+    deadline = time.monotonic() + 10
+    while True:
+        released = metric_sum(push["prefill_metrics"], leases, 'outcome="released"') - released0
+        open_now = metric_sum(push["prefill_metrics"], "pdserve:kv_leases_open")
+        if (released, open_now) == (len(CASES), 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (released, open_now) == (len(CASES), 0)
+    # ... and none ended any other way (aborted, expired).
+    assert metric_sum(push["prefill_metrics"], leases) - all0 == len(CASES)
