@@ -43,7 +43,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 # The router's placement flags, which `up` passes to its router unchanged.
-PLACEMENT_FLAGS = ("local_prefill_below", "balance", "local_cached_fraction", "prefill_saturated")
+PLACEMENT_FLAGS = ("local_prefill_below", "balance", "balance_slack", "local_cached_fraction",
+                   "prefill_saturated")
 
 
 def _add_placement_flags(p: argparse.ArgumentParser) -> None:
@@ -55,7 +56,10 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
                    default=d.local_prefill_below_tokens,
                    help="prefill on the decode worker when fewer tokens than this are uncached")
     g.add_argument("--balance", type=float, default=d.balance,
-                   help="bounded load: no decode worker takes more than this x the mean")
+                   help="bounded load: no decode worker takes more than this x the mean ...")
+    g.add_argument("--balance-slack", type=int, default=d.balance_slack,
+                   help="... or than this many requests over the mean, if that is more (a "
+                        "few requests of imbalance cost less than a session's lost prefix)")
     g.add_argument("--local-cached-fraction", type=float,
                    default=d.local_cached_fraction,
                    help="prefill on the decode worker when it holds this much of the prompt "
@@ -295,6 +299,7 @@ def _config(a: argparse.Namespace):
         return RouterConfig(host=a.host, port=a.port,
                             local_prefill_below_tokens=a.local_prefill_below,
                             worker_timeout_seconds=a.worker_timeout, balance=a.balance,
+                            balance_slack=a.balance_slack,
                             local_cached_fraction=a.local_cached_fraction,
                             prefill_saturated=a.prefill_saturated,
                             metrics_port=a.metrics_port,

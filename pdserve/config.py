@@ -120,7 +120,8 @@ class RouterConfig:
     worker_timeout_seconds: float = 6.0  # no heartbeat for this long = not serving
     # Engines that do not register (stock `vllm ... --grpc`): ("prefill"|"decode", host:port).
     static_workers: tuple[tuple[str, str], ...] = ()
-    balance: float = 1.25                # no decode worker over this x the mean load
+    balance: float = 1.25                # no decode worker over this x the mean load ...
+    balance_slack: int = 2               # ... or this many requests over it, if more
     local_cached_fraction: float = 0.8   # decode worker holds this much of the prompt: local
     prefill_saturated: int = 2           # requests in flight that make a prefill worker full; 0 off
     metrics_port: int = 0                # its pdserve:router_* series over HTTP; 0 = off
@@ -130,6 +131,10 @@ class RouterConfig:
         _check_port("metrics_port", self.metrics_port)
         if self.local_prefill_below_tokens < 0:
             raise ValueError("local_prefill_below_tokens must be >= 0")
+        if self.balance < 1:
+            raise ValueError(f"balance must be >= 1, got {self.balance}")
+        if self.balance_slack < 0:
+            raise ValueError(f"balance_slack must be >= 0, got {self.balance_slack}")
         for role, address in self.static_workers:
             host, _, port = address.rpartition(":")
             if role not in ("prefill", "decode") or not host or not port.isdigit():

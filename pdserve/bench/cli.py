@@ -21,6 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from pdserve.config import RouterConfig
+
 from .slo import DEFAULT_MIXES, parse_slo
 
 
@@ -181,6 +183,8 @@ def _router(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=4, help="decode workers")
     p.add_argument("--sessions", type=int, default=2400)
     p.add_argument("--balance", type=float, default=1.25, help="bounded-load factor c")
+    p.add_argument("--balance-slack", type=int, default=RouterConfig().balance_slack,
+                   help="or this many requests over the mean")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -189,7 +193,7 @@ def _router(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     result = run_all(SimConfig(workers=a.workers, sessions=a.sessions, seed=a.seed,
-                               balance=a.balance))
+                               balance=a.balance, balance_slack=a.balance_slack))
     if a.json:
         print(json.dumps(result))
         return 0
@@ -223,6 +227,8 @@ def _sessions(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=int, default=4, help="sessions at once")
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions")
     p.add_argument("--balance", type=float, default=1.25, help="pdserve's bounded-load factor")
+    p.add_argument("--balance-slack", type=int, default=RouterConfig().balance_slack,
+                   help="pdserve's bounded-load slack (requests over the mean)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -233,7 +239,7 @@ def _sessions(argv: list[str]) -> int:
     hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
     with contextlib.redirect_stdout(sys.stderr):
         result = compare_sessions(model, a.sessions, a.turns, a.concurrency, a.reps, a.seed, hw,
-                                  balance=a.balance)
+                                  balance=a.balance, balance_slack=a.balance_slack)
     print(json.dumps(result) if a.json else table(result))
     return 0
 

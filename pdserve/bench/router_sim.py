@@ -35,8 +35,9 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
+from pdserve.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
-from services.router.placement import Policy, place
+from services.router.placement import Policy, load_cap, place
 from services.router.prefix_index import PrefixIndex, block_keys
 from services.router.registry import WorkerRegistry
 
@@ -57,6 +58,7 @@ class SimConfig:
     decode_s_per_token: float = 0.02
     report_s: float = 0.5                # how often workers report load to the router
     balance: float = 1.25
+    balance_slack: int = RouterConfig().balance_slack
 
 
 @dataclass(slots=True)
@@ -139,7 +141,8 @@ class Pdserve:
         self.cfg = cfg
         self.registry = WorkerRegistry(timeout=1e12, clock=lambda: 0.0)
         self.index = PrefixIndex(cfg.block_size)
-        self.policy = Policy(balance=cfg.balance, local_below_tokens=0)
+        self.policy = Policy(balance=cfg.balance, balance_slack=cfg.balance_slack,
+                             local_below_tokens=0)
         self.next_report = 0.0
         self.tokens: dict[int, list[int]] = {}                   # key -> its block's tokens
         self.decision_s: list[float] = []
@@ -186,7 +189,7 @@ def _baselines(cfg: SimConfig):
 
     def oracle(turn, keys, workers, now):
         loads = {n: w.load(now) for n, w in workers.items()}
-        cap = -(-cfg.balance * (sum(loads.values()) + 1) // len(loads))
+        cap = load_cap(sum(loads.values()), len(loads), cfg.balance, cfg.balance_slack)
         under = [n for n in sorted(workers) if loads[n] + 1 <= cap] or sorted(workers)
         return max(under, key=lambda n: (workers[n].hit_blocks(keys), -loads[n]))
 

@@ -157,11 +157,12 @@ def _figures(runs: list[dict], hits: float, queries: float) -> dict:
 
 
 def compare_sessions(model: str, sessions: int, turns: int, concurrency: int, reps: int,
-                     seed: int, hw: Hardware, max_tokens: int = 16, balance: float = 1.25
-                     ) -> dict:
+                     seed: int, hw: Hardware, max_tokens: int = 16, balance: float = 1.25,
+                     balance_slack: int = 2) -> dict:
     """Start the pool and both SMGs, run every gateway `reps` times, stop all."""
     stack = PdserveStack("sessions", model, local_prefill_below=32, hw=hw,
-                         decode_workers=DECODE_WORKERS, placement=("--balance", str(balance)))
+                         decode_workers=DECODE_WORKERS, placement=("--balance", str(balance),
+                                    "--balance-slack", str(balance_slack)))
     smgs: dict[str, SmgGateway] = {}
     try:
         progress(f"starting pdserve up --decode-workers {DECODE_WORKERS}")
@@ -200,7 +201,8 @@ def compare_sessions(model: str, sessions: int, turns: int, concurrency: int, re
     return {"workload": f"{sessions} sessions x {turns} turns (3 shared ~400-token system "
                         f"prompts, ~150-token first message, ~30-token later ones, "
                         f"{max_tokens} out), {concurrency} sessions at once, {reps} reps, "
-                        f"{DECODE_WORKERS} decode workers, pdserve --balance {balance}",
+                        f"{DECODE_WORKERS} decode workers, pdserve --balance {balance} "
+                        f"--balance-slack {balance_slack}",
             "gateways": out, "targets": _targets(out)}
 
 

@@ -2,9 +2,13 @@
 
 The policy, in order:
 1. **Bounded load** (consistent hashing with bounded loads, Mirrokni et al.): a
-   decode worker is a candidate while `load + 1 <= ceil(balance * (total + 1) / n)`,
+   decode worker is a candidate while `load + 1 <= ceil(balance * mean)`, or
+   `<= ceil(mean) + balance_slack` if that is more (`mean = (total + 1) / n`),
    `load` being its engine's running + waiting requests as last reported plus
-   what was placed there since. No worker runs more than `balance` x the mean.
+   what was placed there since. No worker runs more than `balance` x the mean,
+   or `balance_slack` requests over it: at a few requests per worker a relative
+   bound alone moves sessions off their KV for one request of imbalance (SMG's
+   spill gate has an absolute margin for the same reason).
 2. **Prefix, then session.** Among candidates, the worker holding the longest
    prefix of the prompt (from the engines' KV events, in whole blocks) wins.
    With a session key the remaining ties go by rendezvous hashing of the key,
@@ -53,6 +57,7 @@ class Policy:
     router section, for how they were chosen)."""
 
     balance: float = _DEFAULTS.balance                        # CHWBL's c: max / mean load
+    balance_slack: int = _DEFAULTS.balance_slack              # ... or this many over the mean
     local_below_tokens: int = _DEFAULTS.local_prefill_below_tokens    # fewer uncached: local
     local_cached_fraction: float = _DEFAULTS.local_cached_fraction    # held this much: local
     prefill_saturated: int = _DEFAULTS.prefill_saturated      # this many in flight: full (0 off)
@@ -71,9 +76,17 @@ def load(e: WorkerEntry) -> int:
     return e.load + e.pending
 
 
-def bounded(candidates: list[WorkerEntry], balance: float) -> list[WorkerEntry]:
-    """The workers that may take one more request without exceeding `balance` x mean."""
-    cap = math.ceil(balance * (sum(load(e) for e in candidates) + 1) / len(candidates))
+def load_cap(total: int, n: int, balance: float, slack: int) -> int:
+    """The most requests one of `n` workers may run once one more joins their `total`:
+    `balance` x the mean, or `slack` over the mean, whichever is more."""
+    mean = (total + 1) / n
+    return max(math.ceil(balance * mean), math.ceil(mean) + slack)
+
+
+def bounded(candidates: list[WorkerEntry], balance: float, slack: int = 0
+            ) -> list[WorkerEntry]:
+    """The workers that may take one more request within the load cap."""
+    cap = load_cap(sum(load(e) for e in candidates), len(candidates), balance, slack)
     return [e for e in candidates if load(e) + 1 <= cap] or candidates
 
 
@@ -95,7 +108,7 @@ def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy
             return {e.info.worker_id: 0 for e in entries}
         return index.matched_blocks(keys, [e.info.worker_id for e in entries])
 
-    under = bounded(decoders, policy.balance)
+    under = bounded(decoders, policy.balance, policy.balance_slack)
     held = matched(under)
     if req.session_id:
         decode = max(under, key=lambda e: (held[e.info.worker_id],

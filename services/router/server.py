@@ -32,7 +32,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.registry = WorkerRegistry(cfg.worker_timeout_seconds)
-        self.policy = Policy(balance=cfg.balance,
+        self.policy = Policy(balance=cfg.balance, balance_slack=cfg.balance_slack,
                              local_below_tokens=cfg.local_prefill_below_tokens,
                              local_cached_fraction=cfg.local_cached_fraction,
                              prefill_saturated=cfg.prefill_saturated)

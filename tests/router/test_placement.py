@@ -99,12 +99,28 @@ def test_load_bound_spills_a_shared_prefix_instead_of_piling_on_one_worker():
     _store(index, "d0", system)
     chosen = []
     for i in range(40):
-        _, decode, _ = place(reg, _req(system + [i, i, i, i]), Policy(balance=1.25), index)
+        _, decode, _ = place(reg, _req(system + [i, i, i, i]),
+                             Policy(balance=1.25, balance_slack=0), index)
         reg.placed(decode)                                        # nothing finishes
         chosen.append(decode.info.worker_id)
         loads = [load(e) for e in reg.serving(DECODE)]
         assert max(loads) <= -(-1.25 * sum(loads) // 4)           # ceil(c * mean)
     assert chosen[0] == "d0" and set(chosen) == {"d0", "d1", "d2", "d3"}
+
+
+def test_slack_keeps_a_session_home_a_few_requests_over_the_mean():
+    # 3 requests on the session's home, none on the other worker: one more makes the
+    # mean 2, so c = 1.25 caps a worker at 3 and the session spills; a slack of 2
+    # requests caps it at 4, and it stays with its KV.
+    def home_after(slack: int) -> str:
+        reg, index = _registry(2), PrefixIndex(BLOCK)
+        history = list(range(1, 201))
+        _store(index, "d0", history)
+        [d0] = [e for e in reg.serving(DECODE) if e.info.worker_id == "d0"]
+        d0.reported(3)
+        return place(reg, _req(history + [5] * 8, "s"), Policy(balance=1.25, balance_slack=slack),
+                     index)[1].info.worker_id
+    assert (home_after(0), home_after(2)) == ("d1", "d0")
 
 
 def test_a_session_follows_its_kv_and_short_uncached_turns_prefill_locally():
