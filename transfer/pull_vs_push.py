@@ -76,7 +76,7 @@ def _ttft(port: int, model: str, ids: list[int], max_tokens: int) -> tuple[float
         conn.close()
 
 
-def _prompts(lengths: list[int], requests: int, seed: int) -> dict[int, list[list[int]]]:
+def make_prompts(lengths: list[int], requests: int, seed: int) -> dict[int, list[list[int]]]:
     """The same prompts for every mode: one warm-up and `requests` measured per length."""
     rng = random.Random(seed)
     # Ids clear of the tokenizer's special tokens (the first few) and of its vocab end.
@@ -91,45 +91,51 @@ def _xfer(urls: dict[str, str]) -> tuple[float, float]:
             sum(_total(s, f"{_XFER}_sum") for s in series))
 
 
+def measure(port: int, model: str, metrics: dict[str, str],
+            prompts: dict[int, list[list[int]]], max_tokens: int) -> dict[int, dict]:
+    """Through the edge on `port` (its workers' metrics URLs `metrics`): per length,
+    TTFTs (ms) of every prompt but the first (a warm-up) and the mean transfer (ms)."""
+    out = {}
+    for n, batch in prompts.items():
+        _ttft(port, model, batch[0], max_tokens)              # warm-up (first handshake)
+        count0, sum0 = _xfer(metrics)
+        ttft = []
+        for ids in batch[1:]:
+            seconds, path = _ttft(port, model, ids, max_tokens)
+            if path != "disaggregated":
+                raise RuntimeError(f"a {n}-token prompt ran {path!r}, not disaggregated")
+            ttft.append(1000 * seconds)
+        count, total = (a - b for a, b in zip(_xfer(metrics), (count0, sum0)))
+        out[n] = {"ttft_ms": ttft, "transfers": int(count),
+                  "xfer_ms_mean": 1000 * total / count if count else None}
+    return out
+
+
 def run_mode(mode: str, model: str, prompts: dict[int, list[list[int]]],
              max_tokens: int) -> dict[int, dict]:
-    """One stack in `mode`: per length, TTFTs (ms) and the mean transfer time (ms)."""
+    """`measure` on a stack of its own in `mode`."""
     hw = Hardware(units=tuple(sorted(os.sched_getaffinity(0))),
                   max_model_len=max(prompts) + max_tokens + 64)
     stack = PdserveStack(f"pull-vs-push-{mode}", model, local_prefill_below=0, hw=hw,
                          placement=("--prefill-saturated", "0", "--kv-transfer-mode", mode))
-    out = {}
     try:
         stack.start()
-        port, metrics = stack.ports["edge"], stack.worker_metrics()
-        for n, batch in prompts.items():
-            _ttft(port, model, batch[0], max_tokens)          # warm-up (first handshake)
-            count0, sum0 = _xfer(metrics)
-            ttft = []
-            for ids in batch[1:]:
-                seconds, path = _ttft(port, model, ids, max_tokens)
-                if path != "disaggregated":
-                    raise RuntimeError(f"{mode}: a {n}-token prompt ran {path!r}")
-                ttft.append(1000 * seconds)
-            count, total = (a - b for a, b in zip(_xfer(metrics), (count0, sum0)))
-            out[n] = {"ttft_ms": ttft, "transfers": int(count),
-                      "xfer_ms_mean": 1000 * total / count if count else None}
+        return measure(stack.ports["edge"], model, stack.worker_metrics(), prompts, max_tokens)
     finally:
         stack.stop()
-    return out
 
 
 def compare(model: str, lengths: list[int], requests: int, reps: int, max_tokens: int,
             seed: int) -> dict:
     """Both modes, alternating, `reps` stacks each; the JSON the command prints."""
-    prompts = _prompts(lengths, requests, seed)
+    batches = make_prompts(lengths, requests, seed)
     with tempfile.TemporaryDirectory(prefix="pdserve-long-model-") as tmp:
         long_model = str(long_context_copy(Path(model), Path(tmp) / "model",
                                            max(lengths) + max_tokens + 64))
         runs = {m: {n: {"ttft_ms": [], "xfer_ms": []} for n in lengths} for m in MODES}
         for rep in range(reps):
             for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
-                for n, r in run_mode(mode, long_model, prompts, max_tokens).items():
+                for n, r in run_mode(mode, long_model, batches, max_tokens).items():
                     runs[mode][n]["ttft_ms"] += r["ttft_ms"]
                     if r["xfer_ms_mean"] is not None:
                         runs[mode][n]["xfer_ms"].append(r["xfer_ms_mean"])

@@ -10,7 +10,9 @@ import urllib.request
 import pytest
 
 from cases import CASES, MAX_TOKENS
+from pdserve.tiny_model import long_context_copy
 from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
+from transfer.pull_vs_push import make_prompts, measure
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +77,24 @@ def test_pushed_kv_gives_the_single_engine_tokens(push, reference):
     assert (released, open_now) == (len(CASES), 0)
     # ... and none ended any other way (aborted, expired).
     assert metric_sum(push["prefill_metrics"], leases) - all0 == len(CASES)
+
+
+def test_pull_vs_push_measures_both_stacks(push, stack):
+    # The benchmark's measurement, on this module's push stack and the session's pull
+    # stack (`python -m transfer.pull_vs_push` starts stacks of its own, at 1k and 8k).
+    batches = make_prompts([300], requests=2, seed=7)
+    for port, metrics in ((int(push["url"].rsplit(":", 1)[1]),
+                           {"prefill": push["prefill_metrics"], "decode": push["decode_metrics"]}),
+                          (int(stack.url.rsplit(":", 1)[1]),
+                           {"prefill": stack.prefill_metrics, "decode": stack.decode_metrics})):
+        r = measure(port, push["model"], metrics, batches, max_tokens=4)[300]
+        assert len(r["ttft_ms"]) == 2 and all(0 < t < 30_000 for t in r["ttft_ms"])
+        assert r["transfers"] >= 2 and r["xfer_ms_mean"] > 0
+
+
+def test_a_long_context_copy_shares_the_weights_and_says_its_length(model_dir, tmp_path):
+    copy = long_context_copy(model_dir, tmp_path / "long", 9000)
+    assert json.loads((copy / "config.json").read_text())["max_position_embeddings"] == 9000
+    assert json.loads((copy / "tokenizer_config.json").read_text())["model_max_length"] == 9000
+    weights = copy / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (model_dir / "model.safetensors").resolve()
