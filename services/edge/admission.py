@@ -14,11 +14,17 @@ admits up to the whole pool, and the engines' own queues take the excess (see
 the README).
 
 Otherwise it waits, in its key's priority class (high before normal before
-low) and, within a class, in its tenant's line: the tenant holding the fewest
-slots goes next (ties take turns), so one tenant's burst queues behind its own
-requests, not in front of another tenant's steady traffic; and each active
-tenant is guaranteed its share of the pool (`_may_take`), so a burst cannot
-hold the slots another tenant's next request needs. When the queue is full, a
+low) and, within a class, in its tenant's line: the tenant that has used the
+pool least goes next (slots held, averaged over the last few seconds; ties take
+turns), so one tenant's burst queues behind its own requests, not in front of
+another tenant's steady traffic; and each active tenant is guaranteed its
+share of the pool (`_may_take`), so a burst cannot hold the slots another
+tenant's next request needs. A tenant that has used less than its share on
+average may go past it for a peak, taking a slot another tenant is owed: its
+peaks then wait for the next slot to end, not for one of its own (max-min
+fairness over time, not at each instant). Only a tenant active for
+USE_SECONDS has such credit, so a newcomer's burst cannot take what the others
+are owed. When the queue is full, a
 newcomer takes the place of the newest request of a lower class, or of the
 tenant with the longest line in its own class (if that line is longer than its
 own tenant's), so a burst fills the queue with its own requests but cannot
@@ -40,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -54,6 +61,9 @@ ACTIVE_SECONDS = 5.0                # a tenant that asked this recently shares t
 HOLD_WEIGHT = 0.1                   # how much the last request's hold time moves the mean
 HOLD_MARGIN = 4.0                   # deviations of the hold time added to an expected wait
                                     # (as TCP's retransmit timeout adds 4 to its round trip)
+USE_SECONDS = ACTIVE_SECONDS        # time constant of a tenant's mean use of the pool
+CREDIT = 0.25                       # slots below its share, on average, a tenant must be to
+                                    # go past its share (a moment below it earns nothing)
 
 
 @dataclass(slots=True)
@@ -107,6 +117,8 @@ class Admission:
         self.capacity: float = float("inf")     # until the first reading
         self.in_flight = 0                       # tickets not yet released
         self._holding: dict[str, int] = {}       # tenant -> its tickets not yet released
+        # tenant -> (mean slots held, as of when, active since when)
+        self._use: dict[str, tuple[float, float, float]] = {}
         self._seen: dict[str, float] = {}        # tenant -> when it last asked
         self.draining = False
         self.queued = 0
@@ -151,13 +163,19 @@ class Admission:
                     for line in lines.values())
         lines = self._lines[key.priority]
         mine = len(lines.get(key.tenant, ()))
-        # Another tenant goes first while it holds fewer slots (ties: in turn).
-        level = self._holding.get(key.tenant, 0) + mine + 1
-        ahead += sum(min(len(line), max(0, level - self._holding.get(tenant, 0)))
-                     for tenant, line in lines.items() if tenant != key.tenant) + mine
-        ends = ahead + 1 - max(0, int(self.room))         # slots that must free first
         share, owed = self._share(key.tenant)
-        capped = owed and self._holding.get(key.tenant, 0) + mine >= share
+        now = time.monotonic()
+        # Another tenant goes first while it has used the pool less (ties: in turn).
+        used = self.use(key.tenant, now)
+        for tenant, line in lines.items():
+            if tenant != key.tenant:
+                other = self.use(tenant, now)
+                ahead += (len(line) if other < used else
+                          min(len(line), mine + 1) if other == used else 0)
+        ahead += mine
+        ends = ahead + 1 - max(0, int(self.room))         # slots that must free first
+        capped = (owed and self._holding.get(key.tenant, 0) + mine >= share
+                  and not self._credited(key.tenant, share, now))
         slots = [taken for taken, tenant in self._slots.values()
                  if not capped or tenant == key.tenant]
         if capped:
@@ -173,8 +191,11 @@ class Admission:
         taken = self._slots.pop(slot, None)
         if held and taken is not None:
             self._held(time.monotonic() - taken[0])
+        self._touch(tenant)
         self.in_flight -= 1
         self._holding[tenant] -= 1
+        if not self._holding[tenant] and tenant not in self._seen:
+            self._use.pop(tenant, None)         # gone quiet while it held slots
         self._dispatch()
 
     def _may_take(self, tenant: str, fair: tuple[float, float] | None = None) -> bool:
@@ -190,7 +211,32 @@ class Admission:
             return False
         share, owed = fair or self._fair()
         # At or past its share, a tenant is owed nothing itself: all of `owed` is others'.
-        return self._holding.get(tenant, 0) < share or self.room - owed >= 1
+        return (self._holding.get(tenant, 0) < share or self.room - owed >= 1
+                or self._credited(tenant, share, time.monotonic()))
+
+    def use(self, tenant: str, now: float) -> float:
+        """`tenant`'s slots held, averaged exponentially over USE_SECONDS (from 0 when it
+        was first seen)."""
+        record = self._use.get(tenant)
+        if record is None:
+            return 0.0
+        mean, at, _ = record
+        held = self._holding.get(tenant, 0)
+        return held + (mean - held) * math.exp((at - now) / USE_SECONDS)
+
+    def _credited(self, tenant: str, share: float, now: float) -> bool:
+        """`tenant` has used at least CREDIT slots less than its share on average, over
+        at least USE_SECONDS: it may go past its share for a peak."""
+        record = self._use.get(tenant)
+        return (record is not None and now - record[2] >= USE_SECONDS
+                and self.use(tenant, now) <= share - CREDIT)
+
+    def _touch(self, tenant: str) -> None:
+        """Bring `tenant`'s mean up to now; called before its holdings change (they are
+        constant in between, so the mean is exact)."""
+        now = time.monotonic()
+        since = self._use[tenant][2] if tenant in self._use else now
+        self._use[tenant] = (self.use(tenant, now), now, since)
 
     def _fair(self) -> tuple[float, float]:
         """(Each active tenant's share of the pool, the slots the active tenants are
@@ -198,6 +244,8 @@ class Admission:
         now = time.monotonic()
         for t in [t for t, at in self._seen.items() if now - at > ACTIVE_SECONDS]:
             del self._seen[t]
+            if not self._holding.get(t):
+                self._use.pop(t, None)          # back later: it starts anew, no credit
         if len(self._seen) <= 1:
             return self.capacity, 0.0
         share = self.capacity / len(self._seen)
@@ -212,6 +260,7 @@ class Admission:
         return share, owed
 
     def _take(self, tenant: str) -> int:
+        self._touch(tenant)
         self.in_flight += 1
         self._holding[tenant] = self._holding.get(tenant, 0) + 1
         slot = next(self._slot_ids)
@@ -290,11 +339,12 @@ class Admission:
 
     def _next(self):
         """Whose request goes next: the highest class with a tenant that may take the
-        room; in it, the tenant holding the fewest slots now (so a light tenant's request
+        room; in it, the tenant that has used the pool least (so a light tenant's request
         is not queued behind a heavy one's turns), ties in turn."""
         fair = self._fair()                     # once per step, not once per tenant
+        now = time.monotonic()
         for lines in self._lines:
-            ready = [(self._holding.get(t, 0), i, t) for i, t in enumerate(lines)
+            ready = [(self.use(t, now), i, t) for i, t in enumerate(lines)
                      if self._may_take(t, fair)]
             if ready:
                 _, _, tenant = min(ready)

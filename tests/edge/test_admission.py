@@ -88,6 +88,38 @@ async def test_an_active_tenant_keeps_its_share_free_from_another_tenants_burst(
     assert adm.in_flight == 0
 
 
+async def test_a_tenant_below_its_share_on_average_takes_the_next_slot_for_a_peak(monkeypatch):
+    import services.edge.admission as admission
+    clock = [1000.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    adm = Admission(max_queue=10, max_wait=60)       # holds of 10 s: waits are long
+    adm.observe(4)
+    light = await adm.admit(key("steady"))          # steady: 1 slot for 10 s ...
+    clock[0] += 10
+    light.release()
+    burst = [await adm.admit(key("burst")) for _ in range(2)]   # ... burst: 2 for 10 s
+    for _ in range(2):
+        clock[0] += 5
+        (await adm.admit(key("steady"))).release()  # steady keeps asking (stays active)
+    steady = [await adm.admit(key("steady")) for _ in range(2)]  # steady at its share
+    queued_burst = asyncio.create_task(adm.admit(key("burst")))
+    peak = asyncio.create_task(adm.admit(key("steady")))        # steady's peak: a third
+    await asyncio.sleep(0)
+    assert adm.room == 0 and not queued_burst.done() and not peak.done()
+    assert adm.use("steady", clock[0]) < 0.2 < 1.5 < adm.use("burst", clock[0])
+    # Burst's slot ends: burst holds 1 of its 2 and is owed it, but steady has used
+    # far less than its share: its peak takes the slot (at each instant's shares it
+    # would wait for one of its own to end).
+    burst[0].release()
+    await asyncio.sleep(0)
+    assert peak.done() and not queued_burst.done()
+    for t in [burst[1], *steady, peak.result()]:
+        t.release()
+    await asyncio.wait_for(queued_burst, 1)
+    queued_burst.result().release()
+    assert adm.in_flight == 0
+
+
 async def test_room_is_the_capacity_less_our_requests_in_flight():
     adm = Admission(max_queue=10, max_wait=5)
     adm.observe(4)
