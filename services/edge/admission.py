@@ -215,8 +215,8 @@ class Admission:
                 or self._credited(tenant, share, time.monotonic()))
 
     def use(self, tenant: str, now: float) -> float:
-        """`tenant`'s slots held, averaged exponentially over USE_SECONDS (from 0 when it
-        was first seen)."""
+        """`tenant`'s slots held, averaged exponentially over USE_SECONDS (0 before its
+        first slot; see `_touch` for where it starts)."""
         record = self._use.get(tenant)
         if record is None:
             return 0.0
@@ -233,10 +233,17 @@ class Admission:
 
     def _touch(self, tenant: str) -> None:
         """Bring `tenant`'s mean up to now; called before its holdings change (they are
-        constant in between, so the mean is exact)."""
+        constant in between, so the mean is exact). A tenant's first slot starts its
+        mean at the least any other active tenant has used (as start-time fair queueing
+        starts a new flow at the current virtual time): a newcomer does not go before
+        the others for a while merely because it has no history."""
         now = time.monotonic()
-        since = self._use[tenant][2] if tenant in self._use else now
-        self._use[tenant] = (self.use(tenant, now), now, since)
+        if tenant in self._use:
+            mean, since = self.use(tenant, now), self._use[tenant][2]
+        else:
+            mean = min((self.use(t, now) for t in self._use if t in self._seen), default=0.0)
+            since = now
+        self._use[tenant] = (mean, now, since)
 
     def _fair(self) -> tuple[float, float]:
         """(Each active tenant's share of the pool, the slots the active tenants are

@@ -95,7 +95,9 @@ async def test_a_tenant_below_its_share_on_average_takes_the_next_slot_for_a_pea
     adm = Admission(max_queue=10, max_wait=60)       # holds of 10 s: waits are long
     adm.observe(4)
     light = await adm.admit(key("steady"))          # steady: 1 slot for 10 s ...
-    clock[0] += 10
+    clock[0] += 5
+    (await adm.admit(key("steady"))).release()      # (asking at least every 5 s: active)
+    clock[0] += 5
     light.release()
     burst = [await adm.admit(key("burst")) for _ in range(2)]   # ... burst: 2 for 10 s
     for _ in range(2):
