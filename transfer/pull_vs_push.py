@@ -29,10 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.bench.deployments import Hardware, PdserveStack
+from pdserve.bench.deployments import Hardware, PdserveStack, metric_sum
 from pdserve.tiny_model import long_context_copy
 
-from .engine_run import _series, _total, stdout_for_the_result
+from .engine_run import stdout_for_the_result
 
 MODES = ("pull", "push")
 _XFER = "vllm:nixl_xfer_time_seconds"
@@ -86,9 +86,8 @@ def make_prompts(lengths: list[int], requests: int, seed: int) -> dict[int, list
 
 def _xfer(urls: dict[str, str]) -> tuple[float, float]:
     """(count, seconds) of NIXL transfers over every worker."""
-    series = [_series(u) for u in urls.values()]
-    return (sum(_total(s, f"{_XFER}_count") for s in series),
-            sum(_total(s, f"{_XFER}_sum") for s in series))
+    return (sum(metric_sum(u, f"{_XFER}_count") for u in urls.values()),
+            sum(metric_sum(u, f"{_XFER}_sum") for u in urls.values()))
 
 
 def measure(port: int, model: str, metrics: dict[str, str],
@@ -156,9 +155,15 @@ def compare(model: str, lengths: list[int], requests: int, reps: int, max_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
+    try:
+        lengths = [int(x) for x in a.lengths.split(",")]
+    except ValueError:
+        p.error(f"--lengths must be token counts separated by commas, got {a.lengths!r}")
+    if min(lengths) < 2 or a.requests < 1 or a.reps < 1 or a.max_tokens < 1:
+        p.error("--lengths must be >= 2 tokens; --requests, --reps, --max-tokens >= 1")
     out = stdout_for_the_result()
-    lengths = [int(x) for x in a.lengths.split(",")]
     result = compare(a.model, lengths, a.requests, a.reps, a.max_tokens, a.seed)
     if a.json:
         print(json.dumps(result), file=out)
