@@ -28,6 +28,7 @@ import numpy as np
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from pdserve.config import RouterConfig
 from pdserve.tiny_model import synthetic_corpus
 
 from .deployments import Hardware, PdserveStack, SmgGateway, metric_sum
@@ -158,7 +159,7 @@ def _figures(runs: list[dict], hits: float, queries: float) -> dict:
 
 def compare_sessions(model: str, sessions: int, turns: int, concurrency: int, reps: int,
                      seed: int, hw: Hardware, max_tokens: int = 16, balance: float = 1.25,
-                     balance_slack: int = 2) -> dict:
+                     balance_slack: int = RouterConfig().balance_slack) -> dict:
     """Start the pool and both SMGs, run every gateway `reps` times, stop all."""
     stack = PdserveStack("sessions", model, local_prefill_below=32, hw=hw,
                          decode_workers=DECODE_WORKERS, placement=("--balance", str(balance),

@@ -83,8 +83,7 @@ def load_cap(total: int, n: int, balance: float, slack: int) -> int:
     return max(math.ceil(balance * mean), math.ceil(mean) + slack)
 
 
-def bounded(candidates: list[WorkerEntry], balance: float, slack: int = 0
-            ) -> list[WorkerEntry]:
+def bounded(candidates: list[WorkerEntry], balance: float, slack: int) -> list[WorkerEntry]:
     """The workers that may take one more request within the load cap."""
     cap = load_cap(sum(load(e) for e in candidates), len(candidates), balance, slack)
     return [e for e in candidates if load(e) + 1 <= cap] or candidates
