@@ -15,6 +15,7 @@ from .inference import InferenceService
 from .generation import Resilience
 from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
+from .runner import EdgeRunner
 
 log = logging.getLogger("pdserve.edge")
 
@@ -41,7 +42,7 @@ async def serve(cfg: EdgeConfig) -> None:
     await grpc_server.start()
     # handler_cancellation: a client that goes away cancels its handler, which
     # cancels the decode call, which aborts the request on the worker.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=30.0,
+    runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=30.0,
                            access_log=None)
     await runner.setup()
     # backlog: a burst of thousands of connections must queue, not be refused

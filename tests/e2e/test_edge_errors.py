@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import urllib.error
 import urllib.request
 
@@ -84,6 +85,22 @@ def test_unknown_route_and_method_are_json(stack):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 405 and "error" in json.loads(e.value.read())
+
+
+def test_malformed_http_is_json_too(stack):
+    """What aiohttp's parser refuses (before any route) is answered by `pdserve up`'s
+    edge in the same JSON: a header line over 8 KiB, a bad chunk size."""
+    host, port = stack.url.removeprefix("http://").split(":")
+    for raw in (b"GET /health HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
+                b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(raw)
+            answer = b""
+            while chunk := sock.recv(65536):          # the edge closes after an error
+                answer += chunk
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert re.match(rb"HTTP/1\.[01] 400 ", head) and b"application/json" in head, head
+        assert json.loads(body)["error"]["code"] == "malformed_http"
 
 
 def test_service_still_works_after_bad_input(stack):

@@ -21,6 +21,7 @@ from services.edge.inference import InferenceService
 from services.edge.orchestrator import Orchestrator
 from services.edge.server import resilience
 from services.edge.prompts import PromptEncoder
+from services.edge.runner import EdgeRunner
 from services.router.probes import EngineProbes
 from services.router.server import RouterService
 from services.worker.synthetic import SyntheticEngine
@@ -77,7 +78,7 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
     for _ in range(replicas):
         orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer, resilience(cfg))
         app = build_app(cfg, orchestrator, encoder)
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
+        runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()

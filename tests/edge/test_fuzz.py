@@ -1,5 +1,6 @@
 """The API surface fuzzed: schemathesis generates valid and invalid requests from
-`/openapi.json`, and hypothesis throws raw bytes and odd headers at every route.
+`/openapi.json`, hypothesis throws raw bytes and odd headers at every route, and
+bytes that are not quite HTTP over a bare socket (aiohttp's parser answers those).
 Only 2xx/4xx may come back, every 4xx is OpenAI-shaped JSON, and the edge answers a
 valid request afterwards. PDSERVE_FUZZ_EXAMPLES sets the cases per operation (CI runs a
 few hundred in all; `PDSERVE_FUZZ_EXAMPLES=1000 pytest tests/edge/test_fuzz.py` for
@@ -8,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import http.client
 import json
 import os
+import re
+import socket
 import threading
+from dataclasses import dataclass
 
 import hypothesis
 import pytest
@@ -131,6 +136,95 @@ def test_json_of_any_shape(edge, obj, endpoint):
                          headers={"Authorization": f"Bearer {KEY}",
                                   "Content-Type": "application/json"})
     check(resp)
+
+
+@dataclass
+class RawAnswer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def raw_exchange(url: str, data: bytes) -> RawAnswer | None:
+    """Send bytes as they are on a fresh connection; the answer's status, headers and
+    (Content-Length) body, or None when the edge closed the connection without one or
+    is still waiting for the rest. Parsed by hand: aiohttp answers in the request's
+    HTTP version ("HTTP/2.0 400"), which http.client refuses."""
+    host, port = url.removeprefix("http://").split(":")
+    got = b""
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(data)
+        try:
+            while b"\r\n\r\n" not in got:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return None
+                got += chunk
+            head, body = got.split(b"\r\n\r\n", 1)
+            status_line, *fields = head.decode("latin-1").split("\r\n")
+            status = int(re.fullmatch(r"HTTP/\S+ (\d{3}) .*", status_line).group(1))
+            headers = {k.strip().lower(): v.strip() for k, v in (f.split(":", 1) for f in fields)}
+            length = int(headers.get("content-length", 0))
+            while len(body) < length:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                body += chunk
+        except (ConnectionResetError, TimeoutError):
+            return None
+    return RawAnswer(status, headers, body[:length])
+
+
+token = st.binary(min_size=0, max_size=12)
+method = st.sampled_from([b"GET", b"POST", b"DELETE", b"P\x00ST", b"G ET", b"", b"\xff\xfe"]) | token
+target = st.sampled_from([p.encode() for _, p in ROUTES] + [b"*", b"", b"/v1/\x00", b"http://x/"]) | token
+version = st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.x", b"http/1.1", b"", b"HTTP/1.1 x"])
+header = st.tuples(st.sampled_from([b"Host", b"Content-Length", b"Transfer-Encoding", b"Authorization",
+                                    b"Content-Type", b"X Bad", b"X\x00", b"", b"Connection"]) | token,
+                   st.sampled_from([b"127.0.0.1", b"chunked", b"-1", b"1e3", b"0x10", b"close",
+                                    f"Bearer {KEY}".encode(), b"a" * 9000, b"\r\n x"]) | token)
+framing = st.sampled_from(["length", "chunked", "bad-chunk", "none"])
+
+
+@hypothesis.given(method=method, target=target, version=version, headers=st.lists(header, max_size=5),
+                  framing=framing, body=st.binary(max_size=64))
+@hypothesis.settings(max_examples=EXAMPLES * 8, deadline=None, database=None,
+                     suppress_health_check=list(hypothesis.HealthCheck), derandomize=True)
+def test_malformed_http_gets_json(edge, method, target, version, headers, framing, body):
+    """Bytes that are not quite HTTP (aiohttp's parser answers these, not the app):
+    every answer is still below 500 and every error OpenAI-shaped JSON."""
+    lines = [method + b" " + target + b" " + version, b"Host: 127.0.0.1", b"Connection: close"]
+    lines += [name + b": " + value for name, value in headers]
+    if framing == "length":
+        lines.append(b"Content-Length: %d" % len(body))
+    elif framing != "none":
+        lines.append(b"Transfer-Encoding: chunked")
+        size = b"%x" % len(body) if framing == "chunked" else b"zz"
+        body = size + b"\r\n" + body + b"\r\n0\r\n\r\n"
+    resp = raw_exchange(edge.url, b"\r\n".join(lines) + b"\r\n\r\n" + body)
+    if resp is None:
+        STATUSES["closed"] += 1
+        return
+    STATUSES[resp.status] += 1
+    assert resp.status < 500, (resp.status, resp.body[:300])
+    if resp.status >= 400:
+        error = json.loads(resp.body)
+        assert set(error) == {"error"} and error["error"]["message"], error
+        assert resp.headers.get("content-type", "").startswith("application/json")
+
+
+def test_malformed_http_cases_by_name(edge):
+    """The parse errors one by one: each a 400 in JSON naming what was wrong."""
+    cases = {b"G\x00T /health HTTP/1.1": "method", b"GET /health HTTP/9": "version",
+             b"GET /health HTTP/1.1\r\nX Bad: 1": "header", b"GET /health HTTP/1.1\r\nX: " +
+             b"a" * 9000: "header"}
+    for head, _ in cases.items():
+        resp = raw_exchange(edge.url, head + b"\r\nConnection: close\r\n\r\n")
+        assert resp is not None and resp.status == 400, (head[:40], resp and resp.body)
+        error = json.loads(resp.body)["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "malformed_http"
+        assert error["message"] and "\n" not in error["message"]
+    still_works(edge)
 
 
 def test_after_the_fuzz_a_valid_request_works(edge):
