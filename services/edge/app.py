@@ -50,6 +50,7 @@ CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came wi
 LIMITS = web.AppKey("limits", RateLimits)
 ADMISSION = web.AppKey("admission", Admission)
 STREAM_ID = "x-pdserve-stream-id"
+STREAM_TOKEN = "x-pdserve-stream-token"    # reads that stream without the key (keys.py)
 TIMEOUT_HEADER = "x-pdserve-timeout-ms"
 POOL_READ_SECONDS = (1.0, 0.1)                  # admission's readings: idle, requests waiting
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -66,10 +67,18 @@ def _error_response(e: oai.APIError, headers: dict | None = None) -> web.Respons
 @web.middleware
 async def _authenticate(request: web.Request, handler):
     """Every /v1/ route (HTTP, WebSocket, streams) needs a configured key; /health,
-    /metrics and /openapi.json do not. The key found is request[CALLER]."""
+    /metrics and /openapi.json do not. The key found is request[CALLER]. Following a
+    stream (GET /v1/streams/{id}) may instead present that stream's read token as
+    `?token=`, for clients that cannot send headers (EventSource)."""
     if request.path.startswith("/v1/"):
         header = request.headers.get("Authorization")
         key = request.app[KEYS].from_header(header)
+        token = request.query.get("token") if request.match_info.handler is follow_stream else None
+        if key is None and header is None and token is not None:
+            key = request.app[KEYS].from_stream_token(token, request.match_info["stream_id"])
+            if key is None:
+                raise oai.APIError(401, "The stream token is not valid for this stream.",
+                                   param="token", code="invalid_stream_token")
         if key is None:
             message = ("Incorrect API key provided." if header else
                        "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.")
@@ -284,7 +293,10 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
         plain = request.headers.get(sse.PLAIN_HEADER, "").lower() == "plain"
         reader = await request.app[STREAMS].read(
             live.stream_id, 0, None if plain else cfg.sse_keepalive_seconds, live.owner)
-        return await sse.relay(request, reader, headers | {STREAM_ID: live.stream_id},
+        headers = headers | {STREAM_ID: live.stream_id}
+        if token := request.app[KEYS].stream_token(request[CALLER], live.stream_id):
+            headers[STREAM_TOKEN] = token
+        return await sse.relay(request, reader, headers,
                                stall_seconds=cfg.stream_stall_seconds, live=live,
                                on_cut=metrics.streams_cut.labels("sse").inc, plain=plain)
     except oai.APIError as e:

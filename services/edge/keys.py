@@ -13,10 +13,19 @@ A presented key is found by its SHA-256 digest, so the lookup takes the same
 time whatever the key shares with a real one; keys themselves are never kept
 in memory after loading, nor logged — a key is named by its `key_id`, the
 first 12 hex digits of its digest.
+
+A stream's read token lets a client that cannot send headers (a browser's
+EventSource) follow one stream: `GET /v1/streams/{id}?token=T`. It is
+`KEY_ID.MAC`, the MAC an HMAC-SHA256 of the stream id under the key's digest,
+so every replica that loads the same keys file verifies it without shared
+state; it reads that stream only (cancelling still takes the key), and it ends
+with the stream or the key.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +57,7 @@ class KeyRing:
 
     def __init__(self, keys: dict[bytes, APIKey]):
         self._keys = keys
+        self._digests = {key.key_id: digest for digest, key in keys.items()}
 
     @property
     def open(self) -> bool:
@@ -98,3 +108,21 @@ class KeyRing:
         if scheme.lower() != "bearer" or not presented.strip():
             return None
         return self.find(presented.strip())
+
+    def stream_token(self, key: APIKey, stream_id: str) -> str | None:
+        """The token that reads `key`'s stream `stream_id` (None when the edge is open)."""
+        digest = self._digests.get(key.key_id)
+        return None if digest is None else f"{key.key_id}.{_mac(digest, stream_id)}"
+
+    def from_stream_token(self, token: str, stream_id: str) -> APIKey | None:
+        """The key whose token for `stream_id` this is, or None."""
+        key_id, _, mac = token.partition(".")
+        digest = self._digests.get(key_id)
+        if digest is None or not hmac.compare_digest(mac.encode(), _mac(digest, stream_id).encode()):
+            return None
+        return self._keys[digest]
+
+
+def _mac(digest: bytes, stream_id: str) -> str:
+    mac = hmac.digest(digest, b"pdserve stream read\0" + stream_id.encode(), "sha256")
+    return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()

@@ -43,7 +43,7 @@ _SAMPLING = {
 
 _GENERATION = {
     "200": {"description": "the completion (JSON), or its events (SSE: `id:` = event "
-            "number, header x-pdserve-stream-id)",
+            "number, headers x-pdserve-stream-id and, with keys, x-pdserve-stream-token)",
             "content": {"application/json": {"schema": {"type": "object"}},
                         "text/event-stream": {"schema": {"type": "string"}}}},
     **_errors(400, 401, 404, 413, 429, 503, 504)}
@@ -104,7 +104,13 @@ SPEC = {
         "/v1/streams/{stream_id}": {
             "get": {"operationId": "follow_stream", "parameters": [
                 _STREAM_ID, {"name": "Last-Event-ID", "in": "header", "required": False,
-                             "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}}],
+                             "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}},
+                {"name": "last_event_id", "in": "query", "required": False,
+                 "description": "as Last-Event-ID, for a client that cannot send it",
+                 "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}},
+                {"name": "token", "in": "query", "required": False,
+                 "description": "the stream's read token (header x-pdserve-stream-token of "
+                 "the response that created it), instead of the key", "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "the stream's events after Last-Event-ID, "
                                       "then live", "content": {"text/event-stream": {
                                           "schema": {"type": "string"}}}},

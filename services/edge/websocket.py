@@ -5,7 +5,8 @@ The client's first message is one JSON text frame: an OpenAI chat request
 (`{"stream_id": ..., "last_seq": N}`). The server answers with frames of JSON
 text, all carrying the stream's sequence numbers:
 
-    {"type": "stream", "stream_id", "request_id", "path", "worker"}   (a new generation)
+    {"type": "stream", "stream_id", "request_id", "path", "worker"[, "stream_token"]}
+                                                                     (a new generation)
     {"type": "chunk", "seq": N, "data": <the SSE payload, same object>}
     {"type": "error", "seq": N, "error": {...}}
     {"type": "done", "seq": N}                                          then close 1000
@@ -94,7 +95,7 @@ async def handle(request: web.Request) -> web.WebSocketResponse:
 
 
 async def _serve(request: web.Request, ws: web.WebSocketResponse) -> None:
-    from .app import CALLER, CONFIG, METRICS, STREAMS, begin, start_stream, stream_errors
+    from .app import CALLER, CONFIG, KEYS, METRICS, STREAMS, begin, start_stream, stream_errors
     cfg, streams = request.app[CONFIG], request.app[STREAMS]
     try:
         first = _message(await ws.receive(timeout=FIRST_MESSAGE_SECONDS))
@@ -118,9 +119,11 @@ async def _serve(request: web.Request, ws: web.WebSocketResponse) -> None:
             live = start_stream(request, req, stream)
             sid = live.stream_id
             reader = await streams.read(sid, 0, owner=live.owner)
-            await ws.send_str(json.dumps({
-                "type": "stream", "stream_id": sid, "request_id": stream.gen.request_id,
-                "worker": stream.decode_worker, "placement": stream.stats["placement"]}))
+            started = {"type": "stream", "stream_id": sid, "request_id": stream.gen.request_id,
+                       "worker": stream.decode_worker, "placement": stream.stats["placement"]}
+            if token := request.app[KEYS].stream_token(request[CALLER], sid):
+                started["stream_token"] = token          # GET /v1/streams/{id}?token=
+            await ws.send_str(json.dumps(started))
     except oai.APIError as e:
         raise Refused(WSCloseCode.POLICY_VIOLATION, e.message, e.body()["error"]) from None
     forward = asyncio.create_task(_forward(request, ws, reader, cfg.stream_stall_seconds))

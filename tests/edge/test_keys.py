@@ -108,6 +108,46 @@ async def test_a_stream_is_readable_and_cancellable_by_its_key_only(stack):
         r.close()
 
 
+async def test_a_stream_token_reads_that_stream_only(stack):
+    """`?token=` (for EventSource) follows the one stream it was issued for, with no
+    key; it cancels nothing, opens no other stream, and a changed one is refused."""
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(f"{stack.url}/v1/completions", json=stack.body(30), headers=auth(ALICE))
+        sid, token = r.headers["x-pdserve-stream-id"], r.headers["x-pdserve-stream-token"]
+        mine = await r.text()
+        async with http.get(f"{stack.url}/v1/streams/{sid}", params={"token": token}) as f:
+            assert f.status == 200 and await f.text() == mine     # every event, from the start
+        other = await http.post(f"{stack.url}/v1/completions", json=stack.body(1000),
+                                headers=auth(BOB))
+        bob_sid, bob_token = other.headers["x-pdserve-stream-id"], other.headers[
+            "x-pdserve-stream-token"]
+        key_id, mac = token.split(".")
+        refused = [(bob_sid, token), (sid, bob_token), (sid, key_id + "." + mac[:-1] + "A"),
+                   (sid, bob_token.split(".")[0] + "." + mac), (sid, ""), (sid, mac)]
+        for stream, bad in refused:
+            async with http.get(f"{stack.url}/v1/streams/{stream}", params={"token": bad}) as f:
+                assert f.status == 401, (stream, bad)
+                assert (await f.json())["error"]["code"] == "invalid_stream_token"
+        async with http.delete(f"{stack.url}/v1/streams/{bob_sid}",
+                               params={"token": bob_token}) as d:
+            assert d.status == 401                   # a read token cancels nothing
+        async with http.post(f"{stack.url}/v1/completions", json=stack.body(2),
+                             params={"token": token}) as c:
+            assert c.status == 401                   # ...nor generates
+        assert len(stack.engine.running) == 1        # Bob's stream runs on
+    async with websockets.connect(stack.url.replace("http", "ws") + "/v1/ws",
+                                  additional_headers=auth(BOB)) as ws:
+        await ws.send(json.dumps(stack.body(3)))
+        started = json.loads(await ws.recv())
+        assert started["stream_token"].split(".")[0] != key_id        # Bob's, not Alice's
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{stack.url}/v1/streams/{started['stream_id']}",
+                            params={"token": started["stream_token"]}) as f:
+            assert f.status == 200 and "[DONE]" in await f.text()
+        await http.delete(f"{stack.url}/v1/streams/{bob_sid}", headers=auth(BOB))
+    other.close()
+
+
 async def test_inference_grpc_needs_a_key(stack):
     req = inference_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(
         max_tokens=2))

@@ -65,7 +65,7 @@ async def test_curl_n_gets_events_as_they_come(stack):
 
 PAGE = """<!doctype html><script>
 window.events = []; window.errors = 0;
-const es = new EventSource("/v1/streams/SID");
+const es = new EventSource("/v1/streams/SID?token=TOKEN");
 es.onmessage = (e) => {
   window.events.push([e.lastEventId, e.data]);
   if (e.data === "[DONE]") { es.close(); window.done = true; }
@@ -103,12 +103,33 @@ async def _cutting_proxy(target_port: int, cut_after: int, seen: list[bytes]):
 
 @pytest.mark.skipif(shutil.which("chromium") is None,
                     reason="chromium is not installed (make test installs it as root)")
-async def test_browser_eventsource_resumes_by_itself_after_a_drop(stack):
-    from playwright.async_api import async_playwright
+async def test_browser_eventsource_resumes_by_itself_after_a_drop(model_dir, tmp_path):
+    """With API keys on: a server creates the stream with its key and hands the page
+    the stream's read token; the browser's EventSource (which cannot send headers)
+    follows with `?token=`, and its own reconnects keep it."""
     import aiohttp
-    async with aiohttp.ClientSession() as http:
-        async with http.post(f"{stack.url}/v1/completions", json=stack.body(120)) as r:
-            sid = r.headers["x-pdserve-stream-id"]
+    key = "sk-page-" + "p" * 32
+    (tmp_path / "keys").write_text(f"{key} web normal\n")
+    async with edge_stack(model_dir, rate=100.0, stream_resume_seconds=10.0,
+                          api_keys_file=str(tmp_path / "keys")) as stack:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.url}/v1/completions", json=stack.body(120),
+                                 headers={"Authorization": f"Bearer {key}"}) as r:
+                sid, token = r.headers["x-pdserve-stream-id"], r.headers["x-pdserve-stream-token"]
+        events, errors, seen = await _follow_in_a_browser(stack, sid, token)
+    ids = [int(i) for i, _ in events]
+    assert ids == list(range(1, len(ids) + 1)), "a gap or a duplicate"
+    text = "".join(json.loads(d)["choices"][0]["text"] for _, d in events if d != "[DONE]")
+    assert len(read_stamps(text)) == 120
+    assert errors >= 1                           # the drop happened...
+    resumes = [h for h in seen if b"GET /v1/streams/" in h and b"last-event-id" in h.lower()]
+    assert resumes, "the browser never came back with Last-Event-ID"
+    assert all(b"token=" in h and b"authorization" not in h.lower() for h in seen)
+
+
+async def _follow_in_a_browser(stack, sid: str, token: str):
+    """The page's events and errors, and every request head the browser sent."""
+    from playwright.async_api import async_playwright
     seen: list[bytes] = []
     edge_port = int(stack.url.rsplit(":", 1)[1])
     proxy = await _cutting_proxy(edge_port, 3000, seen)
@@ -119,7 +140,7 @@ async def test_browser_eventsource_resumes_by_itself_after_a_drop(stack):
                                                args=["--no-sandbox"])
             page = await browser.new_page()
             await page.route(f"{origin}/page", lambda route: route.fulfill(
-                body=PAGE.replace("SID", sid), content_type="text/html"))
+                body=PAGE.replace("SID", sid).replace("TOKEN", token), content_type="text/html"))
             await page.goto(f"{origin}/page")
             await page.wait_for_function("window.done === true", timeout=20_000)
             events = await page.evaluate("window.events")
@@ -127,13 +148,7 @@ async def test_browser_eventsource_resumes_by_itself_after_a_drop(stack):
             await browser.close()
     finally:
         proxy.close()
-    ids = [int(i) for i, _ in events]
-    assert ids == list(range(1, len(ids) + 1)), "a gap or a duplicate"
-    text = "".join(json.loads(d)["choices"][0]["text"] for _, d in events if d != "[DONE]")
-    assert len(read_stamps(text)) == 120
-    assert errors >= 1                           # the drop happened...
-    resumes = [h for h in seen if b"GET /v1/streams/" in h and b"last-event-id" in h.lower()]
-    assert resumes, "the browser never came back with Last-Event-ID"
+    return events, errors, seen
 
 
 async def test_vllm_benchmark_client_reads_plain_framing(stack):
