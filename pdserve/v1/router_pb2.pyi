@@ -82,11 +82,21 @@ class RouteDecision(_message.Message):
     def __init__(self, decode: _Optional[_Union[WorkerInfo, _Mapping]] = ..., prefill: _Optional[_Union[WorkerInfo, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("edge_id", "admitted", "waiting")
+    EDGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    edge_id: str
+    admitted: int
+    waiting: int
+    def __init__(self, edge_id: _Optional[str] = ..., admitted: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "admitted_elsewhere", "waiting_elsewhere")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    admitted_elsewhere: int
+    waiting_elsewhere: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., admitted_elsewhere: _Optional[int] = ..., waiting_elsewhere: _Optional[int] = ...) -> None: ...

@@ -5,13 +5,18 @@ decode engines' capacity (each one's `max_running_requests`; an engine whose
 KV cache is full counts none), as the workers report it through the router's
 `ListWorkers` (read once a second, 10 times a second while requests wait),
 minus this edge's requests in flight (admitted, not yet ended: counted here,
-exactly, from admission on, through their prefill). The engines' reported
-load is not subtracted: it lags by up to a heartbeat (load records ride on
-KV-event batches, which short prompts do not produce), and the router's count
-of placements since is an upper bound that held free slots shut (a closed
-loop at capacity ran at 40 % of its rate). So with several edge replicas each
-admits up to the whole pool, and the engines' own queues take the excess (see
-the README).
+exactly, from admission on, through their prefill), minus what the other edge
+replicas have admitted, as each last told the router (each reading reports this
+edge's counts; services/router/edges.py). The engines' reported load is not
+subtracted: it lags by up to a heartbeat (load records ride on KV-event
+batches, which short prompts do not produce), and the router's count of
+placements since is an upper bound that held free slots shut (a closed loop at
+capacity ran at 40 % of its rate). The other edges' counts lag too, by up to
+a reading (0.1 s while any edge has requests waiting): two replicas that see
+the same free slot may both take it, and the engine's own queue holds the one
+extra for that moment. A tenant's share (below) is of this edge's part of the
+pool, and the expected wait counts only this edge's slots freeing (another
+edge's requests end too, unseen: it errs towards refusing).
 
 Otherwise it waits, in its key's priority class (high before normal before
 low) and, within a class, in its tenant's line: the tenant that has used the
@@ -116,6 +121,7 @@ class Admission:
         self.metrics = metrics
         self.capacity: float = float("inf")     # until the first reading
         self.in_flight = 0                       # tickets not yet released
+        self.elsewhere = 0                       # other edges' admitted, as last reported
         self._holding: dict[str, int] = {}       # tenant -> its tickets not yet released
         # tenant -> (mean slots held, as of when, active since when)
         self._use: dict[str, tuple[float, float, float]] = {}
@@ -132,11 +138,12 @@ class Admission:
     # --- the pool's room -------------------------------------------------
     @property
     def room(self) -> float:
-        return self.capacity - self.in_flight
+        return self.capacity - self.elsewhere - self.in_flight
 
-    def observe(self, capacity: float) -> None:
-        """A fresh reading of the pool's capacity."""
-        self.capacity = capacity
+    def observe(self, capacity: float, elsewhere: int = 0) -> None:
+        """A fresh reading of the pool's capacity, and of the requests other edge
+        replicas have admitted into it."""
+        self.capacity, self.elsewhere = capacity, elsewhere
         self._dispatch()
 
     def _held(self, seconds: float) -> None:
@@ -253,9 +260,10 @@ class Admission:
             del self._seen[t]
             if not self._holding.get(t):
                 self._use.pop(t, None)          # back later: it starts anew, no credit
+        pool = max(0.0, self.capacity - self.elsewhere)     # this edge's part of it now
         if len(self._seen) <= 1:
-            return self.capacity, 0.0
-        share = self.capacity / len(self._seen)
+            return pool, 0.0
+        share = pool / len(self._seen)
         return share, sum(max(0.0, share - self._holding.get(t, 0)) for t in self._seen)
 
     def _share(self, tenant: str) -> tuple[float, float]:

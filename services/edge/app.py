@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
+import socket
 import time
 import weakref
 
@@ -405,17 +408,25 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _read_pool(app: web.Application):
-    """Keep admission's view of the decode pool's capacity fresh: 10 readings a
-    second while requests wait for room, one a second otherwise (each reading is
-    an RPC to the router, and the capacity changes only as workers come and go)."""
+    """Keep admission's view of the decode pool fresh: its capacity, and what the
+    other edge replicas hold of it (each reading reports this edge's own counts to
+    the router; services/router/edges.py). 10 readings a second while requests
+    wait for room here or at another edge, one a second otherwise (each reading
+    is an RPC to the router)."""
+    admission = app[ADMISSION]
+    edge_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
     async def read() -> None:
+        waiting_elsewhere = 0
         while True:
             try:
-                workers = await app[ORCH].workers()
-                app[ADMISSION].observe(pool_capacity(workers, common_pb2.WORKER_ROLE_DECODE))
+                pool = await app[ORCH].pool(edge_id, admission.in_flight, admission.queued)
+                waiting_elsewhere = pool.waiting_elsewhere
+                admission.observe(pool_capacity(pool.workers, common_pb2.WORKER_ROLE_DECODE),
+                                  pool.admitted_elsewhere)
             except grpc.aio.AioRpcError:
                 pass                # the router is away: Route will say so per request
-            await asyncio.sleep(POOL_READ_SECONDS[bool(app[ADMISSION].queued)])
+            await asyncio.sleep(POOL_READ_SECONDS[bool(admission.queued or waiting_elsewhere)])
     task = asyncio.create_task(read(), name="pool-room")
     yield
     task.cancel()

@@ -17,6 +17,7 @@ from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
+from .edges import EdgeReports
 from .metrics import RouterMetrics
 from .placement import NoWorkerError, Policy, place
 from .prefix_index import PrefixIndex
@@ -38,6 +39,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                              prefill_saturated=cfg.prefill_saturated)
         self.index = PrefixIndex()                # kept by the workers' KV events
         self.on_join = lambda: None               # called when a new worker registers
+        self.edges = EdgeReports()                # the edges' admission counts
         self.metrics = RouterMetrics(self.registry)
 
     async def Register(self, request, context):
@@ -78,7 +80,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return decision
 
     async def ListWorkers(self, request, context):
-        return router_pb2.ListWorkersResponse(workers=self.registry.snapshot())
+        elsewhere = self.edges.report(request.edge_id, request.admitted, request.waiting)
+        return router_pb2.ListWorkersResponse(workers=self.registry.snapshot(),
+                                              admitted_elsewhere=elsewhere.admitted,
+                                              waiting_elsewhere=elsewhere.waiting)
 
 
 async def serve(cfg: RouterConfig) -> None:

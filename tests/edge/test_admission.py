@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from services.edge.admission import Admission, pool_capacity
+from services.edge.app import METRICS
 from services.edge.keys import PRIORITIES, APIKey
 from services.edge.openai_protocol import APIError
 from pdserve.v1 import common_pb2, router_pb2
@@ -361,3 +362,58 @@ def test_shares_summed_once_equal_each_tenants_own_sum():
             got_share, got_owed = adm._share(t)
             assert got_share == pytest.approx(share)
             assert got_owed == pytest.approx(owed if len(tenants) > 1 else 0.0)
+
+
+async def test_other_edges_admitted_requests_take_room_here():
+    adm = Admission(max_queue=10, max_wait=5)
+    adm.observe(4, elsewhere=3)                  # another replica holds 3 of 4
+    mine = await adm.admit(key("a"))
+    waiting = asyncio.create_task(adm.admit(key("a")))
+    await asyncio.sleep(0)
+    assert adm.room == 0 and adm.queued == 1 and not waiting.done()
+    adm.observe(4, elsewhere=2)                  # one of theirs ended
+    ticket = await asyncio.wait_for(waiting, 1)
+    mine.release(), ticket.release()
+
+
+def test_the_router_sums_the_other_edges_reports_and_forgets_a_silent_one(monkeypatch):
+    from services.router import edges
+    now = [100.0]
+    monkeypatch.setattr(edges.time, "monotonic", lambda: now[0])
+    reports = edges.EdgeReports()
+    assert reports.report("a", 3, 0) == edges.Elsewhere(0, 0)
+    assert reports.report("b", 2, 5) == edges.Elsewhere(3, 0)
+    assert reports.report("a", 4, 1) == edges.Elsewhere(2, 5)     # a's own count replaced
+    assert reports.report("", 0, 0) == edges.Elsewhere(6, 6)      # a plain read counts all
+    now[0] += edges.REPORT_SECONDS - 0.5
+    assert reports.report("b", 1, 0) == edges.Elsewhere(4, 1)
+    now[0] += 1.0                                                 # a silent past the bound
+    assert reports.report("b", 1, 0) == edges.Elsewhere(0, 0)
+
+
+async def test_two_edge_replicas_share_the_pool_instead_of_each_filling_it(model_dir):
+    """Capacity 2, two edges on one router: what one edge runs is no room at the
+    other, which queues until one ends (without the reports, each admitted 2)."""
+    async with edge_stack(model_dir, rate=100.0, capacity=2, replicas=2,
+                          admission_wait_seconds=10.0) as stack:
+        (url_a, _), (url_b, app_b) = stack.replicas
+        b_queue = app_b[METRICS].queue_length
+        await asyncio.sleep(1.2)                      # the router read the capacity; edges reported
+        async with aiohttp.ClientSession() as http:
+            running = [await http.post(f"{url_a}/v1/completions", json=stack.body(2000))
+                       for _ in range(2)]
+            await asyncio.sleep(1.2)                  # edge A's count reached the router and B
+            queued = asyncio.create_task(http.post(f"{url_b}/v1/completions",
+                                                   json=stack.body(5)))
+            await asyncio.sleep(0.5)
+            assert b_queue._value.get() == 1 and not queued.done()
+            assert len(stack.engine.running) == 2
+            await http.delete(f"{url_a}/v1/streams/{running[0].headers['x-pdserve-stream-id']}")
+            started = time.perf_counter()
+            resp = await asyncio.wait_for(queued, 5)
+            print(f"\nroom freed at edge A seen by edge B in {(time.perf_counter() - started) * 1000:.0f} ms")
+            assert resp.status == 200 and "[DONE]" in await resp.text()
+            assert time.perf_counter() - started < 1.0   # B and A read 10 times a second now
+            for r in running:
+                await http.delete(f"{url_a}/v1/streams/{r.headers['x-pdserve-stream-id']}")
+                r.close()
