@@ -82,21 +82,19 @@ class RouteDecision(_message.Message):
     def __init__(self, decode: _Optional[_Union[WorkerInfo, _Mapping]] = ..., prefill: _Optional[_Union[WorkerInfo, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
-    __slots__ = ("edge_id", "admitted", "waiting")
+    __slots__ = ("edge_id", "admitted")
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
-    WAITING_FIELD_NUMBER: _ClassVar[int]
     edge_id: str
     admitted: int
-    waiting: int
-    def __init__(self, edge_id: _Optional[str] = ..., admitted: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    def __init__(self, edge_id: _Optional[str] = ..., admitted: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers", "admitted_elsewhere", "waiting_elsewhere")
+    __slots__ = ("workers", "admitted_elsewhere", "edges")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
-    WAITING_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
+    EDGES_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     admitted_elsewhere: int
-    waiting_elsewhere: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., admitted_elsewhere: _Optional[int] = ..., waiting_elsewhere: _Optional[int] = ...) -> None: ...
+    edges: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., admitted_elsewhere: _Optional[int] = ..., edges: _Optional[int] = ...) -> None: ...

@@ -12,9 +12,9 @@ subtracted: it lags by up to a heartbeat (load records ride on KV-event
 batches, which short prompts do not produce), and the router's count of
 placements since is an upper bound that held free slots shut (a closed loop at
 capacity ran at 40 % of its rate). The other edges' counts lag too, by up to
-a reading (0.1 s while any edge has requests waiting): two replicas that see
-the same free slot may both take it, and the engine's own queue holds the one
-extra for that moment. A tenant's share (below) is of this edge's part of the
+two readings (0.2 s: edges that share a pool read it 10 times a second): two
+replicas that see the same free slot may both take it, and the engine's own
+queue holds the extra for that moment. A tenant's share (below) is of this edge's part of the
 pool, and the expected wait counts only this edge's slots freeing (another
 edge's requests end too, unseen: it errs towards refusing).
 
@@ -144,6 +144,8 @@ class Admission:
         """A fresh reading of the pool's capacity, and of the requests other edge
         replicas have admitted into it."""
         self.capacity, self.elsewhere = capacity, elsewhere
+        if self.metrics is not None:
+            self.metrics.admitted_elsewhere.set(elsewhere)
         self._dispatch()
 
     def _held(self, seconds: float) -> None:

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve import genai, telemetry
 from pdserve.config import EdgeConfig
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, router_pb2
 
 from . import openai_protocol as oai
 from .metrics import EdgeMetrics
@@ -55,7 +55,7 @@ ADMISSION = web.AppKey("admission", Admission)
 STREAM_ID = "x-pdserve-stream-id"
 STREAM_TOKEN = "x-pdserve-stream-token"    # reads that stream without the key (keys.py)
 TIMEOUT_HEADER = "x-pdserve-timeout-ms"
-POOL_READ_SECONDS = (1.0, 0.1)                  # admission's readings: idle, requests waiting
+POOL_READ_SECONDS = (1.0, 0.1)                  # admission's readings: alone and idle, shared or waiting
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -411,22 +411,23 @@ async def _read_pool(app: web.Application):
     """Keep admission's view of the decode pool fresh: its capacity, and what the
     other edge replicas hold of it (each reading reports this edge's own counts to
     the router; services/router/edges.py). 10 readings a second while requests
-    wait for room here or at another edge, one a second otherwise (each reading
-    is an RPC to the router)."""
+    wait for room here, or while other edges share the pool (what one admits or
+    frees reaches the others within two readings); one a second otherwise, as a
+    lone edge (each reading is an RPC to the router)."""
     admission = app[ADMISSION]
     edge_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
     async def read() -> None:
-        waiting_elsewhere = 0
+        pool = router_pb2.ListWorkersResponse()
         while True:
             try:
-                pool = await app[ORCH].pool(edge_id, admission.in_flight, admission.queued)
-                waiting_elsewhere = pool.waiting_elsewhere
+                pool = await app[ORCH].pool(edge_id, admission.in_flight)
                 admission.observe(pool_capacity(pool.workers, common_pb2.WORKER_ROLE_DECODE),
                                   pool.admitted_elsewhere)
             except grpc.aio.AioRpcError:
                 pass                # the router is away: Route will say so per request
-            await asyncio.sleep(POOL_READ_SECONDS[bool(admission.queued or waiting_elsewhere)])
+            shared = admission.queued or pool.edges > 1
+            await asyncio.sleep(POOL_READ_SECONDS[bool(shared)])
     task = asyncio.create_task(read(), name="pool-room")
     yield
     task.cancel()

@@ -59,6 +59,9 @@ class EdgeMetrics:
             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_length = Gauge("pdserve:queue_length", "Requests waiting for admission",
                                   registry=r)
+        self.admitted_elsewhere = Gauge("pdserve:admitted_elsewhere", "Requests the other "
+                                        "edge replicas hold in the decode pool, as the router "
+                                        "last reported them (no room for them here)", registry=r)
         self.queue_wait = Histogram("pdserve:request_queue_time_seconds", "Time each admitted "
                                     "request waited in the admission queue", buckets=(
                                         0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),

@@ -78,11 +78,11 @@ class Orchestrator:
         resp = await self.router.ListWorkers(router_pb2.ListWorkersRequest(), timeout=2.0)
         return list(resp.workers)
 
-    async def pool(self, edge_id: str, admitted: int, waiting: int) -> router_pb2.ListWorkersResponse:
-        """The workers, and what the other edges have admitted and queued, for this
-        edge's admission counts (services/router/edges.py)."""
+    async def pool(self, edge_id: str, admitted: int) -> router_pb2.ListWorkersResponse:
+        """The workers, and what the other edges have admitted, for this edge's count
+        of its own (services/router/edges.py)."""
         return await self.router.ListWorkers(router_pb2.ListWorkersRequest(
-            edge_id=edge_id, admitted=admitted, waiting=waiting), timeout=2.0)
+            edge_id=edge_id, admitted=admitted), timeout=2.0)
 
     async def start(self, gen: Generation) -> GenerationStream:
         """Route and prefill; raises APIError when no worker can take the request."""

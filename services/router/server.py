@@ -80,10 +80,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return decision
 
     async def ListWorkers(self, request, context):
-        elsewhere = self.edges.report(request.edge_id, request.admitted, request.waiting)
+        elsewhere = self.edges.report(request.edge_id, request.admitted)
         return router_pb2.ListWorkersResponse(workers=self.registry.snapshot(),
                                               admitted_elsewhere=elsewhere.admitted,
-                                              waiting_elsewhere=elsewhere.waiting)
+                                              edges=elsewhere.edges)
 
 
 async def serve(cfg: RouterConfig) -> None:
