@@ -3,8 +3,8 @@
 A request is admitted when the decode pool has room for it: the serving
 decode engines' capacity (each one's `max_running_requests`; an engine whose
 KV cache is full counts none), as the workers report it through the router's
-`ListWorkers` (read once a second, 10 times a second while requests wait),
-minus this edge's requests in flight (admitted, not yet ended: counted here,
+`ListWorkers` (read once a second; 10 times a second while requests wait or
+other edges share the pool), minus this edge's requests in flight (admitted, not yet ended: counted here,
 exactly, from admission on, through their prefill), minus what the other edge
 replicas have admitted, as each last told the router (each reading reports this
 edge's counts; services/router/edges.py). The engines' reported load is not
@@ -14,9 +14,9 @@ placements since is an upper bound that held free slots shut (a closed loop at
 capacity ran at 40 % of its rate). The other edges' counts lag too, by up to
 two readings (0.2 s: edges that share a pool read it 10 times a second): two
 replicas that see the same free slot may both take it, and the engine's own
-queue holds the extra for that moment. A tenant's share (below) is of this edge's part of the
-pool, and the expected wait counts only this edge's slots freeing (another
-edge's requests end too, unseen: it errs towards refusing).
+queue holds the extra for that moment. A tenant's share (below) is of this
+edge's part of the pool, and the expected wait counts only this edge's slots
+freeing (another edge's requests end too, unseen: it errs towards refusing).
 
 Otherwise it waits, in its key's priority class (high before normal before
 low) and, within a class, in its tenant's line: the tenant that has used the

@@ -16,8 +16,8 @@ first 12 hex digits of its digest.
 
 A stream's read token lets a client that cannot send headers (a browser's
 EventSource) follow one stream: `GET /v1/streams/{id}?token=T`. It is
-`KEY_ID.MAC`, the MAC an HMAC-SHA256 of the stream id under the key's digest,
-so every replica that loads the same keys file verifies it without shared
+`KEY_ID.MAC`, MAC being an HMAC-SHA256 of the stream id under the key's
+digest, so every replica that loads the same keys file verifies it without shared
 state; it reads that stream only (cancelling still takes the key), and it ends
 with the stream or the key.
 """

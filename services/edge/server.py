@@ -43,7 +43,7 @@ async def serve(cfg: EdgeConfig) -> None:
     # handler_cancellation: a client that goes away cancels its handler, which
     # cancels the decode call, which aborts the request on the worker.
     runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=30.0,
-                           access_log=None)
+                        access_log=None)
     await runner.setup()
     # backlog: a burst of thousands of connections must queue, not be refused
     # (aiohttp's default of 128 dropped 740 of 10,000 streams opened in a second).

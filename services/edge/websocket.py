@@ -5,8 +5,8 @@ The client's first message is one JSON text frame: an OpenAI chat request
 (`{"stream_id": ..., "last_seq": N}`). The server answers with frames of JSON
 text, all carrying the stream's sequence numbers:
 
-    {"type": "stream", "stream_id", "request_id", "path", "worker"[, "stream_token"]}
-                                                                     (a new generation)
+    {"type": "stream", "stream_id", "request_id", "worker", "placement"[, "stream_token"]}
+                                          (a new generation; the token: with API keys)
     {"type": "chunk", "seq": N, "data": <the SSE payload, same object>}
     {"type": "error", "seq": N, "error": {...}}
     {"type": "done", "seq": N}                                          then close 1000
