@@ -9,7 +9,9 @@ keys file of two tenants, `steady` and `burst` (both `normal`):
 - synthetic backend: `pdserve router` + `pdserve edge` in front of a synthetic
   engine (this module run as `python -m pdserve.bench.admission`: the clock
   engine of `services/worker/synthetic.py` holding at most `capacity` streams at
-  once, the rest waiting, as vLLM's scheduler does), so the flow runs in seconds.
+  once, the rest waiting, as vLLM's scheduler does), so the flow runs in seconds;
+  `--edges N` starts N edge replicas on the one router and sends them requests
+  in turn (they share the pool through the router: services/router/edges.py).
 
 Every request is a streamed completion (~64-token prompt, `max_tokens` with
 `ignore_eos`), read as SSE. Phases:
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -76,6 +79,8 @@ class Settings:
     settle: float = 2.5             # idle seconds after a phase: the router's view of the
                                     # engine's load catches up (static workers: polled)
     seed: int = 0
+    edges: int = 1                  # edge replicas on the router (synthetic backend), each
+                                    # sent every edges-th request
 
     @property
     def admission_queue(self) -> int:
@@ -163,11 +168,11 @@ class _RealStack:
         hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
         self.stack = PdserveStack("admission" if admission else "no-admission", model,
                                   local_prefill_below=32, hw=hw, placement=flags)
-        self.url = ""
+        self.urls: list[str] = []
 
-    def start(self) -> str:
-        self.url = self.stack.start()[0]
-        return self.url
+    def start(self) -> list[str]:
+        self.urls = [self.stack.start()[0]]
+        return self.urls
 
     def edge_pid(self) -> int:
         import psutil
@@ -188,11 +193,11 @@ class _SyntheticStack:
     def __init__(self, st: Settings, model: str, keys_file: Path, admission: bool):
         self.st, self.model, self.keys_file, self.admission = st, model, keys_file, admission
         self.children = _Children("admission-synthetic")
-        self.url = ""
+        self.urls: list[str] = []
         self.engine_metrics = None
 
-    def start(self) -> str:
-        engine, router, edge, grpc_port = (free_port() for _ in range(4))
+    def start(self) -> list[str]:
+        engine, router = free_port(), free_port()
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
         self.children.start([sys.executable, "-m", "pdserve.bench.admission", "--model",
                              self.model, "--port", str(engine), "--rate",
@@ -200,16 +205,19 @@ class _SyntheticStack:
                              str(self.st.max_num_seqs)], {})
         self.children.start([*cli, "router", "--port", str(router),
                              "--decode-worker", f"127.0.0.1:{engine}"], {})
-        self.children.start([*cli, "edge", "--router", f"127.0.0.1:{router}", "--port",
-                             str(edge), "--grpc-port", str(grpc_port), "--model", self.model,
-                             "--min-prefill-workers", "0",
-                             *_edge_flags(self.st, self.keys_file, self.admission)], {})
-        self.url = f"http://127.0.0.1:{edge}"
-        self.children.wait_healthy([self.url + "/health"])
-        return self.url
+        for _ in range(self.st.edges):
+            edge = free_port()
+            self.children.start([*cli, "edge", "--router", f"127.0.0.1:{router}", "--port",
+                                 str(edge), "--grpc-port", str(free_port()), "--model",
+                                 self.model, "--min-prefill-workers", "0",
+                                 *_edge_flags(self.st, self.keys_file, self.admission)], {})
+            self.urls.append(f"http://127.0.0.1:{edge}")
+        self.children.wait_healthy([url + "/health" for url in self.urls])
+        return self.urls
 
     def edge_pid(self) -> int:
-        return self.children.procs[-1][0].pid
+        """The first edge (its RSS and CPU are the ones reported)."""
+        return self.children.procs[2][0].pid
 
     def stop(self) -> None:
         self.children.stop()
@@ -286,11 +294,17 @@ async def _request(http, url: str, tenant: str, body: dict) -> Outcome:
 
 
 class _Load:
-    """Sends the benchmark's requests to one edge."""
+    """Sends the benchmark's requests to the edges, in turn."""
 
-    def __init__(self, st: Settings, model: str, url: str, prompt_source):
-        self.st, self.model, self.url, self.prompts = st, model, url, prompt_source
+    def __init__(self, st: Settings, model: str, urls: list[str], prompt_source):
+        self.st, self.model, self.prompts = st, model, prompt_source
+        self._urls = itertools.cycle(urls)
         self.lag: list[float] = []      # the client's own event-loop lag (s), sampled
+
+    @property
+    def url(self) -> str:
+        """The edge the next request goes to."""
+        return next(self._urls)
 
     async def _watch_lag(self) -> None:
         while True:
@@ -349,20 +363,25 @@ class _Load:
 
 # --- what the edge and the engine say ----------------------------------------------------
 
-def _scrape(url: str) -> dict[str, dict[str, float]]:
-    """The edge's admission series: queue-wait histogram and rejections by reason."""
+def _scrape(urls: list[str]) -> dict[str, dict[str, float]]:
+    """The edges' admission series, summed: queue-wait histogram and rejections by reason."""
     from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        body = r.read().decode()
     out: dict[str, dict[str, float]] = {"wait_bucket": {}, "wait": {}, "rejections": {}}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            if s.name == "pdserve:request_queue_time_seconds_bucket":
-                out["wait_bucket"][s.labels["le"]] = s.value
-            elif s.name in ("pdserve:request_queue_time_seconds_count", "pdserve:request_queue_time_seconds_sum"):
-                out["wait"][s.name.rsplit("_", 1)[1]] = s.value
-            elif s.name == "pdserve:rejections_total":
-                out["rejections"][s.labels["reason"]] = s.value
+
+    def add(series: str, key: str, value: float) -> None:
+        out[series][key] = out[series].get(key, 0.0) + value
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            body = r.read().decode()
+        for family in text_string_to_metric_families(body):
+            for s in family.samples:
+                if s.name == "pdserve:request_queue_time_seconds_bucket":
+                    add("wait_bucket", s.labels["le"], s.value)
+                elif s.name in ("pdserve:request_queue_time_seconds_count",
+                                "pdserve:request_queue_time_seconds_sum"):
+                    add("wait", s.name.rsplit("_", 1)[1], s.value)
+                elif s.name == "pdserve:rejections_total":
+                    add("rejections", s.labels["reason"], s.value)
     return out
 
 
@@ -511,12 +530,12 @@ class _Runner:
     def open(self, name: str, rates: dict[str, float], slo: dict | None) -> dict:
         progress(f"{name}: " + ", ".join(f"{t} {r:.2f} req/s" for t, r in rates.items())
                  + f" for {self.st.duration:g} s")
-        before = _scrape(self.stack.url)
+        before = _scrape(self.stack.urls)
         self.seed += 1
         t0 = time.perf_counter()
         with _Watch(self.stack.edge_pid(), self.stack.engine_metrics) as watch:
             outs = asyncio.run(self.load.open(rates, self.st.duration, self.seed))
-        after = _scrape(self.stack.url)
+        after = _scrape(self.stack.urls)
         wall = time.perf_counter() - t0
         run = {"rates_rps": {t: round(r, 2) for t, r in rates.items()},
                "wall_s": round(wall, 1), **figures(outs, self.st, slo)}
@@ -560,9 +579,9 @@ def _with_stack(st: Settings, model: str, keys_file: Path, admission: bool, phas
     stack = cls(st, model, keys_file, admission)
     progress(f"starting the {st.backend} stack, {'with' if admission else 'without'} admission")
     try:
-        url = stack.start()
-        runner = _Runner(st, stack, _Load(st, model, url, prompts(model, st.prompt_tokens,
-                                                                  st.seed)))
+        urls = stack.start()
+        runner = _Runner(st, stack, _Load(st, model, urls, prompts(model, st.prompt_tokens,
+                                                                   st.seed)))
         runner.warm_up()
         phases(runner)
     finally:
@@ -646,7 +665,8 @@ def table(result: dict) -> str:
     """The figures as text."""
     s, r = result["settings"], result["rates_rps"]
     cap = result["capacity"]
-    rows = [f"{s['backend']} backend, max-num-seqs {s['max_num_seqs']}, admission queue "
+    rows = [f"{s['backend']} backend, {s['edges']} edge(s), max-num-seqs {s['max_num_seqs']}, "
+            f"admission queue "
             f"{s['admission_queue']}, wait {s['admission_wait_s']} s; {s['prompt_tokens']}-token prompts, "
             f"{s['max_tokens']} out",
             f"capacity R = {r['R']} req/s (closed loop at {cap['concurrency']}): TTFT p50/p99 "

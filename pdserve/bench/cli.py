@@ -10,6 +10,7 @@
                        [--duration S] [--json]      nginx, through pdserve's edge
     pdserve bench admission [--smoke] [--json]      3x overload and a tenant bursting at 10x,
                   [--backend B] [--duration S]      with admission control and without
+                  [--edges N]
 """
 from __future__ import annotations
 
@@ -317,6 +318,9 @@ def _admission(argv: list[str]) -> int:
                    help="seconds of arrivals per open-loop phase (default 30; smoke 3)")
     p.add_argument("--max-num-seqs", type=int, default=Settings().max_num_seqs,
                    help="the decode engine's capacity")
+    p.add_argument("--edges", type=int, default=1,
+                   help="edge replicas sharing the pool, sent requests in turn (synthetic "
+                        "backend only)")
     p.add_argument("--smoke", action="store_true",
                    help="synthetic backend, a few seconds per phase: checks the runner")
     p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
@@ -325,10 +329,14 @@ def _admission(argv: list[str]) -> int:
     a = p.parse_args(argv)
     st = SMOKE if a.smoke else Settings()
     st = replace(st, backend=a.backend or st.backend, duration=a.duration or st.duration,
-                 max_num_seqs=a.max_num_seqs, seed=a.seed)
-    if st.duration <= 0 or st.max_num_seqs < 1:
-        print("pdserve bench admission: --duration and --max-num-seqs must be > 0",
+                 max_num_seqs=a.max_num_seqs, seed=a.seed, edges=a.edges)
+    if st.duration <= 0 or st.max_num_seqs < 1 or st.edges < 1:
+        print("pdserve bench admission: --duration, --max-num-seqs and --edges must be > 0",
               file=sys.stderr)
+        return 2
+    if st.edges > 1 and st.backend != "synthetic":
+        print("pdserve bench admission: --edges > 1 needs --backend synthetic (`pdserve up` "
+              "starts one edge)", file=sys.stderr)
         return 2
     model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
     # SIGTERM unwinds like Ctrl-C, so every process started is stopped.

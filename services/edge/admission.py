@@ -4,8 +4,9 @@ A request is admitted when the decode pool has room for it: the serving
 decode engines' capacity (each one's `max_running_requests`; an engine whose
 KV cache is full counts none), as the workers report it through the router's
 `ListWorkers` (read once a second; 10 times a second while requests wait or
-other edges share the pool), minus this edge's requests in flight (admitted, not yet ended: counted here,
-exactly, from admission on, through their prefill), minus what the other edge
+other edges share the pool), minus this edge's requests in flight (admitted,
+not yet ended: counted here, exactly, from admission on, through their
+prefill), minus what the other edge
 replicas have admitted, as each last told the router (each reading reports this
 edge's counts; services/router/edges.py). The engines' reported load is not
 subtracted: it lags by up to a heartbeat (load records ride on KV-event

@@ -55,7 +55,7 @@ ADMISSION = web.AppKey("admission", Admission)
 STREAM_ID = "x-pdserve-stream-id"
 STREAM_TOKEN = "x-pdserve-stream-token"    # reads that stream without the key (keys.py)
 TIMEOUT_HEADER = "x-pdserve-timeout-ms"
-POOL_READ_SECONDS = (1.0, 0.1)                  # admission's readings: alone and idle, shared or waiting
+POOL_READ_SECONDS = (1.0, 0.1)      # admission's readings: a lone idle edge; shared or waiting
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 

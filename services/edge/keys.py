@@ -118,7 +118,8 @@ class KeyRing:
         """The key whose token for `stream_id` this is, or None."""
         key_id, _, mac = token.partition(".")
         digest = self._digests.get(key_id)
-        if digest is None or not hmac.compare_digest(mac.encode(), _mac(digest, stream_id).encode()):
+        if digest is None or not hmac.compare_digest(mac.encode(),
+                                                     _mac(digest, stream_id).encode()):
             return None
         return self._keys[digest]
 

@@ -110,7 +110,8 @@ SPEC = {
                  "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}},
                 {"name": "token", "in": "query", "required": False,
                  "description": "the stream's read token (header x-pdserve-stream-token of "
-                 "the response that created it), instead of the key", "schema": {"type": "string"}}],
+                 "the response that created it), instead of the key",
+                 "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "the stream's events after Last-Event-ID, "
                                       "then live", "content": {"text/event-stream": {
                                           "schema": {"type": "string"}}}},

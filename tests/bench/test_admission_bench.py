@@ -1,5 +1,6 @@
 """`pdserve bench admission --smoke`: the JSON contract end to end (synthetic engine, router,
-edge with and without admission control), and nothing left running afterwards."""
+two edges sharing it, with and without admission control), and nothing left running
+afterwards."""
 from __future__ import annotations
 
 import json
@@ -32,13 +33,14 @@ def _left_behind(tag: str) -> list[str]:
 def test_smoke_sheds_with_admission_and_loses_nothing(tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "admission", "--smoke",
-                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=100,
+                           "--edges", "2", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=100,
                           env={**os.environ, TAG: tag, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)                # stdout is the one JSON object
     assert {"settings", "capacity", "slo", "rates_rps", "overload", "fairness", "targets",
             "command"} <= set(result)
-    assert result["settings"]["backend"] == "synthetic"
+    assert result["settings"]["backend"] == "synthetic" and result["settings"]["edges"] == 2
     assert result["capacity"]["throughput_rps"] > 0
     assert set(result["overload"]) == {"admission", "no_admission"}
     assert {"steady_alone", "with_burst_admission", "with_burst_no_admission",
