@@ -301,8 +301,7 @@ class _Load:
         self._urls = itertools.cycle(urls)
         self.lag: list[float] = []      # the client's own event-loop lag (s), sampled
 
-    @property
-    def url(self) -> str:
+    def next_url(self) -> str:
         """The edge the next request goes to."""
         return next(self._urls)
 
@@ -330,7 +329,7 @@ class _Load:
 
             async def client() -> None:
                 while time.perf_counter() - t0 < seconds:
-                    out.append(await _request(http, self.url, "steady", self.body()))
+                    out.append(await _request(http, self.next_url(), "steady", self.body()))
             await asyncio.gather(*(client() for _ in range(concurrency)))
             return out, time.perf_counter() - t0
 
@@ -354,7 +353,7 @@ class _Load:
                     delay = t0 + t - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                    tasks.append(asyncio.create_task(_request(http, self.url, tenant,
+                    tasks.append(asyncio.create_task(_request(http, self.next_url(), tenant,
                                                               self.body())))
                 return list(await asyncio.gather(*tasks))
         finally:
