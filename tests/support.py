@@ -1,12 +1,16 @@
-"""Helpers for tests that run real processes: free ports, child processes with logs."""
+"""Helpers for tests that run real processes: free ports, child processes with logs,
+raw HTTP exchanges."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.deployments import free_port, free_port_run, metric_sum  # noqa: F401 (one source)
@@ -15,6 +19,45 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "tiny-llama"
 
 
+
+
+@dataclass
+class RawAnswer:
+    version: str                        # as the server wrote it: "HTTP/1.1"
+    status: int
+    headers: dict[str, str]             # names lower-cased
+    body: bytes
+
+
+def raw_exchange(url: str, data: bytes, timeout: float = 5) -> RawAnswer | None:
+    """Send bytes as they are on a fresh connection to `url` (http://host:port); the
+    answer's status line, headers and (Content-Length) body, or None when the server
+    closed the connection without one or is still waiting for the rest. Parsed by
+    hand: aiohttp answers in the request's HTTP version ("HTTP/2.0 400"), which
+    http.client refuses."""
+    host, port = url.removeprefix("http://").split(":")
+    got = b""
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(data)
+        try:
+            while b"\r\n\r\n" not in got:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return None
+                got += chunk
+            head, body = got.split(b"\r\n\r\n", 1)
+            status_line, *fields = head.decode("latin-1").split("\r\n")
+            version, status = re.fullmatch(r"(HTTP/\S+) (\d{3}) .*", status_line).groups()
+            headers = {k.strip().lower(): v.strip() for k, v in (f.split(":", 1) for f in fields)}
+            length = int(headers.get("content-length", 0))
+            while len(body) < length:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                body += chunk
+        except (ConnectionResetError, TimeoutError):
+            return None
+    return RawAnswer(version, int(status), headers, body[:length])
 
 
 class Proc:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.error
 import urllib.request
 
 import pytest
+
+from support import raw_exchange
 
 
 def _post(stack, path: str, raw: bytes) -> tuple[int, dict]:
@@ -90,17 +91,13 @@ def test_unknown_route_and_method_are_json(stack):
 def test_malformed_http_is_json_too(stack):
     """What aiohttp's parser refuses (before any route) is answered by `pdserve up`'s
     edge in the same JSON: a header line over 8 KiB, a bad chunk size."""
-    host, port = stack.url.removeprefix("http://").split(":")
     for raw in (b"GET /health HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
                 b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"):
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(raw)
-            answer = b""
-            while chunk := sock.recv(65536):          # the edge closes after an error
-                answer += chunk
-        head, body = answer.split(b"\r\n\r\n", 1)
-        assert re.match(rb"HTTP/1\.[01] 400 ", head) and b"application/json" in head, head
-        assert json.loads(body)["error"]["code"] == "malformed_http"
+        answer = raw_exchange(stack.url, raw, timeout=10)
+        assert answer is not None and answer.version in ("HTTP/1.0", "HTTP/1.1"), answer
+        assert answer.status == 400, answer
+        assert answer.headers["content-type"].startswith("application/json"), answer
+        assert json.loads(answer.body)["error"]["code"] == "malformed_http"
 
 
 def test_service_still_works_after_bad_input(stack):

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import http.client
 import json
 import os
-import re
-import socket
 import threading
-from dataclasses import dataclass
 
 import hypothesis
 import pytest
@@ -24,6 +20,7 @@ import schemathesis
 from hypothesis import strategies as st
 
 from services.edge.openapi import SPEC
+from support import raw_exchange
 from synthetic_stack import edge_stack
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "25"))
@@ -138,56 +135,24 @@ def test_json_of_any_shape(edge, obj, endpoint):
     check(resp)
 
 
-@dataclass
-class RawAnswer:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-
-def raw_exchange(url: str, data: bytes) -> RawAnswer | None:
-    """Send bytes as they are on a fresh connection; the answer's status, headers and
-    (Content-Length) body, or None when the edge closed the connection without one or
-    is still waiting for the rest. Parsed by hand: aiohttp answers in the request's
-    HTTP version ("HTTP/2.0 400"), which http.client refuses."""
-    host, port = url.removeprefix("http://").split(":")
-    got = b""
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(data)
-        try:
-            while b"\r\n\r\n" not in got:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    return None
-                got += chunk
-            head, body = got.split(b"\r\n\r\n", 1)
-            status_line, *fields = head.decode("latin-1").split("\r\n")
-            status = int(re.fullmatch(r"HTTP/\S+ (\d{3}) .*", status_line).group(1))
-            headers = {k.strip().lower(): v.strip() for k, v in (f.split(":", 1) for f in fields)}
-            length = int(headers.get("content-length", 0))
-            while len(body) < length:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                body += chunk
-        except (ConnectionResetError, TimeoutError):
-            return None
-    return RawAnswer(status, headers, body[:length])
-
-
 token = st.binary(min_size=0, max_size=12)
-method = st.sampled_from([b"GET", b"POST", b"DELETE", b"P\x00ST", b"G ET", b"", b"\xff\xfe"]) | token
-target = st.sampled_from([p.encode() for _, p in ROUTES] + [b"*", b"", b"/v1/\x00", b"http://x/"]) | token
-version = st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.x", b"http/1.1", b"", b"HTTP/1.1 x"])
-header = st.tuples(st.sampled_from([b"Host", b"Content-Length", b"Transfer-Encoding", b"Authorization",
-                                    b"Content-Type", b"X Bad", b"X\x00", b"", b"Connection"]) | token,
+method = st.sampled_from([b"GET", b"POST", b"DELETE", b"P\x00ST", b"G ET", b"",
+                          b"\xff\xfe"]) | token
+target = st.sampled_from([p.encode() for _, p in ROUTES]
+                         + [b"*", b"", b"/v1/\x00", b"http://x/"]) | token
+version = st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.x", b"http/1.1", b"",
+                           b"HTTP/1.1 x"])
+header = st.tuples(st.sampled_from([b"Host", b"Content-Length", b"Transfer-Encoding",
+                                    b"Authorization", b"Content-Type", b"X Bad", b"X\x00", b"",
+                                    b"Connection"]) | token,
                    st.sampled_from([b"127.0.0.1", b"chunked", b"-1", b"1e3", b"0x10", b"close",
                                     f"Bearer {KEY}".encode(), b"a" * 9000, b"\r\n x"]) | token)
 framing = st.sampled_from(["length", "chunked", "bad-chunk", "none"])
 
 
-@hypothesis.given(method=method, target=target, version=version, headers=st.lists(header, max_size=5),
-                  framing=framing, body=st.binary(max_size=64))
+@hypothesis.given(method=method, target=target, version=version,
+                  headers=st.lists(header, max_size=5), framing=framing,
+                  body=st.binary(max_size=64))
 @hypothesis.settings(max_examples=EXAMPLES * 8, deadline=None, database=None,
                      suppress_health_check=list(hypothesis.HealthCheck), derandomize=True)
 def test_malformed_http_gets_json(edge, method, target, version, headers, framing, body):
