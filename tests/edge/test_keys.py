@@ -122,7 +122,8 @@ async def test_a_stream_token_reads_that_stream_only(stack):
         bob_sid, bob_token = other.headers["x-pdserve-stream-id"], other.headers[
             "x-pdserve-stream-token"]
         key_id, mac = token.split(".")
-        refused = [(bob_sid, token), (sid, bob_token), (sid, key_id + "." + mac[:-1] + "A"),
+        changed = mac[:-1] + ("B" if mac.endswith("A") else "A")    # never the same MAC
+        refused = [(bob_sid, token), (sid, bob_token), (sid, key_id + "." + changed),
                    (sid, bob_token.split(".")[0] + "." + mac), (sid, ""), (sid, mac)]
         for stream, bad in refused:
             async with http.get(f"{stack.url}/v1/streams/{stream}", params={"token": bad}) as f:
