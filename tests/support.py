@@ -76,11 +76,12 @@ class Proc:
         for line in self.popen.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, text: str, timeout: float) -> None:
-        """Block until a line contains `text`; fail with the log tail otherwise."""
+    def wait_for(self, text: str, timeout: float, since: int = 0) -> None:
+        """Block until a line (from line `since` on) contains `text`; fail with the log
+        tail otherwise."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any(text in line for line in self.lines):
+            if any(text in line for line in self.lines[since:]):
                 return
             if self.popen.poll() is not None:
                 break

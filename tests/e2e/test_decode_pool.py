@@ -1,4 +1,5 @@
-"""A pool of two decode workers behind the router: sessions stay with their KV.
+"""A pool of two decode workers behind the router: sessions stay with their KV, and
+the pool rides out its workers' crashes and SIGTERMs.
 
 `pdserve up --decode-workers 2` (both decode engines share one core here). Turn 2
 of a conversation lands on the decode worker that served turn 1, which still
@@ -6,6 +7,12 @@ holds turn 1's blocks: a short new message is prefilled right there (nothing
 travels) and the first token comes sooner; a long one is prefilled remotely from
 the prefill engine's cache, and the decode worker pulls only the blocks it lacks. Different
 sessions spread over both workers.
+
+The last tests break workers: a SIGKILLed decode worker's sessions move to the
+other; a SIGKILLed prefill worker costs no request (the decode worker prefills
+locally meanwhile) and is restarted by the supervisor, as the decode worker is; a SIGTERMed decode worker
+leaves the router at once but finishes the stream it is running before it exits
+(then it is restarted too).
 """
 from __future__ import annotations
 
@@ -44,7 +51,15 @@ def pool(model_dir, reference):
                "decode_metrics": {f"decode-{i}": f"http://127.0.0.1:{metrics + 1 + i}/metrics"
                                   for i in range(2)}}
     finally:
-        assert proc.stop(timeout=90) == 0
+        tree = proc.descendants()
+        code = proc.stop(timeout=90)
+        deadline = time.monotonic() + 10
+        while (alive := [p for p in tree if psutil.pid_exists(p)
+                         and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"processes left after shutdown: {alive}"
+        assert code == 0, "\n".join(proc.lines[-40:])
 
 
 def _chat(pool, messages, session: str) -> tuple[dict, str, float]:
@@ -114,7 +129,7 @@ def _workers(pool) -> set[str]:
 
 
 def test_losing_a_decode_worker_moves_only_its_sessions(pool):
-    """Runs last: it kills decode-1 (the supervisor then restarts it)."""
+    """Kills decode-1 (the supervisor then restarts it): the tests from here on break workers."""
     turns = {f"loss-{i}": [{"role": "user", "content": f"Tell me about the number {i}."}]
              for i in range(8)}
     home = {}
@@ -131,7 +146,9 @@ def test_losing_a_decode_worker_moves_only_its_sessions(pool):
 
     victim = next(c for c in psutil.Process(pool["proc"].popen.pid).children()
                   if "decode-1" in c.cmdline())
-    os.killpg(victim.pid, signal.SIGKILL)               # a crash: no goodbye to the router
+    # A crash of the worker process alone, no goodbye to the router; its engine's
+    # processes are the supervisor's to end.
+    os.kill(victim.pid, signal.SIGKILL)
     # Noticed when its event stream breaks: well inside the 6 s heartbeat timeout.
     deadline = time.monotonic() + 3
     while "decode-1" in _workers(pool) and time.monotonic() < deadline:
@@ -151,7 +168,7 @@ def test_losing_a_decode_worker_moves_only_its_sessions(pool):
 
 def test_a_prefill_worker_killed_before_the_pull_costs_a_local_prefill_not_the_request(
         pool, model_dir):
-    """Runs last: SIGKILL the prefill worker between its answer and the decode's pull.
+    """SIGKILL the prefill worker between its answer and the decode's pull.
     The decode worker's claim finds nobody, and it computes the prompt itself: the
     same tokens, well within a second of the failure."""
     import grpc
@@ -182,3 +199,87 @@ def test_a_prefill_worker_killed_before_the_pull_costs_a_local_prefill_not_the_r
     assert metric_sum(pool["decode_metrics"]["decode-0"], "pdserve:kv_transfer_failures_total",
                       'reason="prefill_unreachable"') >= 1
     print(f"prefill killed: local recompute answered {recovered * 1000:.0f} ms after the kill")
+
+
+STREAM_TOKENS = 400                     # ~5 s of decoding, well inside max_model_len
+
+
+def _worker(pool, worker_id: str) -> psutil.Process:
+    """The worker process itself (a child of `pdserve up`), not its engine's."""
+    return next(c for c in psutil.Process(pool["proc"].popen.pid).children()
+                if worker_id in c.cmdline())
+
+
+def _health(pool) -> int:
+    try:
+        with urllib.request.urlopen(f"{pool['url']}/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _wait_healthy(pool, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while _health(pool) != 200:
+        assert time.monotonic() < deadline, "\n".join(pool["proc"].lines[-40:])
+        time.sleep(0.5)
+
+
+def test_the_killed_prefill_worker_is_restarted_and_no_request_fails(pool):
+    """Follows the kill above: while prefill-0 is down, a request is prefilled on its
+    decode worker; the supervisor restarts prefill-0 and the edge uses it again."""
+    _, reply, _ = _chat(pool, CASES[2].payload["messages"], "restart-0")  # long: remote prefill
+    assert reply
+    pool["proc"].wait_for("pdserve: prefill-0 exited (code -9); restarting it", timeout=10)
+    _wait_healthy(pool)                                         # back, and registered
+    # The edge dials it again within a second or so (its channel's reconnect backoff);
+    # meanwhile a request is prefilled locally. Each prompt is new: none is cached.
+    paths = []
+    deadline = time.monotonic() + 5
+    while "disaggregated" not in paths and time.monotonic() < deadline:
+        messages = [{"role": "user", "content": f"Question {len(paths)}: "
+                     + CASES[3].payload["messages"][0]["content"]}]
+        headers, reply, _ = _chat(pool, messages, f"restart-{len(paths) + 1}")
+        assert reply
+        paths.append(headers["x-pdserve-path"])
+        time.sleep(0.25)
+    why = [line for line in pool["proc"].lines[-60:] if "route " in line or "prefill" in line]
+    assert paths[-1] == "disaggregated", "\n".join(why)      # through the new prefill worker
+    assert not any("stopping the stack" in line for line in pool["proc"].lines)
+
+
+def test_a_sigtermed_decode_worker_finishes_its_stream_then_exits(pool):
+    """Runs last: the decode worker it stops is being restarted at teardown."""
+    _wait_healthy(pool)
+    body = {"model": pool["model"], "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{pool['url']}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events, signalled, mark = [], None, len(pool["proc"].lines)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        worker_id = r.headers["x-pdserve-worker"]
+        worker = _worker(pool, worker_id)
+        for line in r:
+            if not line.startswith(b"data: "):
+                continue
+            if line.strip() == b"data: [DONE]":
+                break
+            events.append(json.loads(line[6:]))
+            if len(events) == 1:
+                signalled = time.monotonic()
+                worker.send_signal(signal.SIGTERM)             # the worker alone, as k8s does
+    finished = time.monotonic()
+    assert signalled, "the stream ended before the worker was signalled"
+    assert not any("error" in e for e in events), [e for e in events if "error" in e]
+    reasons = [c["finish_reason"] for e in events for c in e.get("choices", [])
+               if c.get("finish_reason")]
+    assert reasons == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
+    worker.wait(timeout=30)                                    # then it stops on its own
+    lines = pool["proc"].lines[mark:]
+    assert any(f"{worker_id} draining: 1 Generate calls in flight" in line for line in lines)
+    assert any(f"{worker_id} drained in" in line for line in lines)
+    pool["proc"].wait_for(f"pdserve: {worker_id} exited (code 0); restarting it", timeout=10,
+                          since=mark)
+    print(f"stream ran {finished - signalled:.1f} s past the SIGTERM")
