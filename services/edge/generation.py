@@ -253,14 +253,15 @@ class GenerationStream:
                 else:
                     self.token_gaps.append(now - self._last_token_at)
                 self._last_token_at = now
-                self.output_ids.extend(c.token_ids)
-                text = self.text.add(c.token_ids)
+                ids = list(c.token_ids)         # read out of the message once
+                self.output_ids += ids
+                text = self.text.add(ids)
                 if self.text.stop_string is not None:
                     # The edge saw the stop string first: end here.
                     self.finish_reason = "stop"
-                    yield Chunk(list(c.token_ids), text, "stop")
+                    yield Chunk(ids, text, "stop")
                     return
-                yield Chunk(list(c.token_ids), text)
+                yield Chunk(ids, text)
             if self.finish_reason is not None:
                 yield Chunk([], self.text.finish(), self.finish_reason)
         except asyncio.CancelledError as e:
