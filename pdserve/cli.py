@@ -76,7 +76,7 @@ EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queu
               "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
               "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds",
               "prefill_timeout_seconds", "prefill_attempts", "decode_stall_seconds",
-              "decode_first_token_seconds", "max_migrations")
+              "decode_first_token_seconds", "max_migrations", "decode_calls")
 
 
 def _add_edge_flags(p: argparse.ArgumentParser) -> None:
@@ -129,6 +129,10 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                    help="the same, before a decode leg's first token")
     g.add_argument("--max-migrations", type=int, default=d.max_migrations,
                    help="moves to another decode worker per generation before it fails")
+    g.add_argument("--decode-calls", choices=["per-request", "batched"], default=d.decode_calls,
+                   help="how decode tokens travel: a vLLM Generate call per generation, or "
+                        "batched: one shared call per pdserve worker, each message every "
+                        "output of one turn (a stock worker still gets per-request calls)")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:

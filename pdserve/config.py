@@ -178,6 +178,9 @@ class EdgeConfig:
     decode_stall_seconds: float = 5.0       # a decode silent this long moves elsewhere
     decode_first_token_seconds: float = 30.0  # ... before its first token
     max_migrations: int = 3                 # moves per generation before it fails
+    # How decode legs read tokens: one vLLM `Generate` call each (per-request), or one
+    # shared call per worker that offers pdserve.v1.BatchedGenerate (batched).
+    decode_calls: str = "per-request"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -198,6 +201,9 @@ class EdgeConfig:
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
+        if self.decode_calls not in ("per-request", "batched"):
+            raise ValueError(f"decode_calls must be per-request or batched, "
+                             f"got {self.decode_calls!r}")
 
     @property
     def name(self) -> str:

@@ -133,16 +133,14 @@ def _bounded_engine(tokenizer, name: str, rate: float, capacity: int):
 
 
 async def _serve_engine(model: str, port: int, rate: float, capacity: int) -> None:
-    from smg_grpc_proto import vllm_engine_pb2_grpc
     from transformers import AutoTokenizer
 
     from pdserve.lifecycle import until_signalled
     from pdserve.rpc import Server
-    from services.worker.synthetic import SERVICE_NAME
+    from services.worker.synthetic import SERVICE_NAMES, add_to_server
 
     engine = _bounded_engine(AutoTokenizer.from_pretrained(model), model, rate, capacity)
-    server = Server("127.0.0.1", port, lambda s: vllm_engine_pb2_grpc
-                    .add_VllmEngineServicer_to_server(engine, s), [SERVICE_NAME])
+    server = Server("127.0.0.1", port, lambda s: add_to_server(engine, s), SERVICE_NAMES)
     await server.start()
     try:
         await until_signalled()

@@ -22,9 +22,8 @@ import time
 import uuid
 
 from aiohttp import web
-from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from services.worker.synthetic import SERVICE_NAME, SyntheticEngine, stamp_text
+from services.worker.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server, stamp_text
 
 log = logging.getLogger("pdserve.bench.edge_source")
 
@@ -94,8 +93,7 @@ async def serve(model: str, served_model_name: str, host: str, grpc_port: int, h
     from pdserve.rpc import Server
 
     engine = StampEngine(AutoTokenizer.from_pretrained(model), served_model_name or model, rate)
-    grpc_server = Server(host, grpc_port, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-        engine, s), [SERVICE_NAME])
+    grpc_server = Server(host, grpc_port, lambda s: add_to_server(engine, s), SERVICE_NAMES)
     await grpc_server.start()
     app = web.Application()
     app[ENGINE] = engine

@@ -107,6 +107,7 @@ class DecodeLeg:
     prefill_params: dict[str, Any] | None = None
     prefill_address: str = ""
     leases: transfer_pb2_grpc.KVTransferStub | None = None
+    calls: Any = None                           # BatchedCalls (batched.py), else stub's Generate
     started: bool = False                       # its first output came
     pulled: bool = False                        # ...and it had pulled the prefill's blocks
     abandoned: bool = False
@@ -223,8 +224,8 @@ class GenerationStream:
             "pdserve.decode.pull": leg.prefill_params is not None})
         error: BaseException | None = None
         with telemetry.current(span):           # the call carries the decode span's context
-            call = leg.stub.Generate(req, timeout=self.gen.remaining(),
-                                     metadata=telemetry.metadata())
+            call = (leg.calls or leg.stub).Generate(req, timeout=self.gen.remaining(),
+                                                    metadata=telemetry.metadata())
         loop = asyncio.get_running_loop()
         self._last_output, self._stalled = loop.time(), False
         self._watch(call)

@@ -24,12 +24,15 @@ import time
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve import telemetry
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, router_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 
+from .batched import SERVICE_NAME as BATCHED_SERVICE
+from .batched import BatchedCalls
 from .detokenizer import StopRule, TextStream
 from .engine_requests import prefill_request
 from .generation import (DecodeLeg, Generation, GenerationStream, Heard, Resilience, api_error,
@@ -50,7 +53,7 @@ class Orchestrator:
     """Places requests and holds one channel per worker address."""
 
     def __init__(self, router_address: str, request_timeout: float, tokenizer,
-                 resilience: Resilience = Resilience()):
+                 resilience: Resilience = Resilience(), batched: bool = False):
         self.router_channel = channel(router_address)
         self.router = router_pb2_grpc.RouterStub(self.router_channel)
         self.timeout = request_timeout
@@ -58,6 +61,10 @@ class Orchestrator:
         self.resilience = resilience
         self.heard = Heard()                # decode workers' last output, for stall checks
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # --decode-calls batched: one shared call per decode worker that offers it.
+        self.batched = batched
+        self._batched: dict[str, BatchedCalls | None] = {}
+        self._probes: dict[str, asyncio.Future] = {}
         self.prefill_fallbacks = 0          # requests prefilled locally after prefill failed
         self.prefill_failovers = 0          # prefill legs retried on another worker
         self._aborts: set[asyncio.Future] = set()
@@ -69,6 +76,33 @@ class Orchestrator:
 
     def _engine(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
         return vllm_engine_pb2_grpc.VllmEngineStub(self._channel(address))
+
+    async def _decode_calls(self, address: str) -> BatchedCalls | None:
+        """The worker's shared call when batched decode calls are on and it serves
+        them (asked once, by gRPC health); None: a `Generate` call per leg."""
+        if not self.batched or address in self._batched:
+            return self._batched.get(address)
+        probe = self._probes.get(address)
+        if probe is None:                       # one question per worker, however many ask
+            probe = self._probes[address] = asyncio.ensure_future(self._offers_batched(address))
+            probe.add_done_callback(lambda _: self._probes.pop(address, None))
+        serving = await asyncio.shield(probe)
+        if serving is not None and address not in self._batched:
+            self._batched[address] = BatchedCalls(self._channel(address)) if serving else None
+            log.info("decode worker %s: %s decode calls", address,
+                     "batched" if serving else "per-request")
+        return self._batched.get(address)
+
+    async def _offers_batched(self, address: str) -> bool | None:
+        """Whether the worker serves BatchedGenerate (None: it did not answer)."""
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channel(address)).Check(
+                health_pb2.HealthCheckRequest(service=BATCHED_SERVICE), timeout=1.0)
+        except grpc.aio.AioRpcError as e:
+            # NOT_FOUND: it serves health but not this; UNIMPLEMENTED: no health at all.
+            no = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED)
+            return False if e.code() in no else None
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def _leases(self, address: str) -> transfer_pb2_grpc.KVTransferStub:
         return transfer_pb2_grpc.KVTransferStub(self._channel(address))
@@ -114,7 +148,8 @@ class Orchestrator:
                 address = decision.prefill.address
                 return DecodeLeg(request_id, decision.decode.worker_id,
                                  self._engine(decision.decode.address), params, address,
-                                 self._leases(address)), stats
+                                 self._leases(address),
+                                 calls=await self._decode_calls(decision.decode.address)), stats
             failed += 1
             if failed >= self.resilience.prefill_attempts:
                 break
@@ -127,7 +162,8 @@ class Orchestrator:
             self.prefill_fallbacks += 1
             stats["prefill_fallback"] = True
         return DecodeLeg(request_id, decision.decode.worker_id,
-                         self._engine(decision.decode.address)), stats
+                         self._engine(decision.decode.address),
+                         calls=await self._decode_calls(decision.decode.address)), stats
 
     async def _route(self, gen: Generation, request_id: str, prompt: list[int],
                      exclude: set[str]) -> router_pb2.RouteDecision:
@@ -209,6 +245,9 @@ class Orchestrator:
             lease_id=request_id, reason=why), timeout=2.0), self._aborts)
 
     async def close(self) -> None:
-        """Close every channel."""
+        """Close every shared call and channel."""
+        for calls in self._batched.values():
+            if calls is not None:
+                await calls.close()
         for ch in [self.router_channel, *self._channels.values()]:
             await ch.close()

@@ -33,7 +33,7 @@ async def serve(cfg: EdgeConfig) -> None:
     """Serve HTTP on cfg.host:cfg.port until signalled; streams in flight get 30 s to finish."""
     encoder = PromptEncoder(cfg.model)
     orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer,
-                                resilience(cfg))
+                                resilience(cfg), batched=cfg.decode_calls == "batched")
     app = build_app(cfg, orchestrator, encoder)
     inference = InferenceService(cfg, encoder, app)
     grpc_server = Server(cfg.host, cfg.grpc_port,

@@ -23,6 +23,8 @@ from transfer.service import SERVICE_NAME as LEASE_SERVICE
 from transfer.service import KVTransferService
 from transfer.service import add_to_server as add_lease_service
 
+from .batched import SERVICE_NAME as BATCHED_SERVICE
+from .batched import add_to_server as add_batched_generate
 from .engine import VllmEngine
 from .engine_protocol import SERVICE_NAME as ENGINE_SERVICE
 from .engine_protocol import WorkerEngineServicer
@@ -44,10 +46,12 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     leases = (KVTransferService(engine.llm, cfg.worker_id, cfg.kv.lease_seconds)
               if cfg.role == "prefill" and cfg.kv else None)
     servicer.on_lease = leases.issued if leases else None
-    services = [ENGINE_SERVICE] + ([LEASE_SERVICE] if leases else [])
+    services = [ENGINE_SERVICE, BATCHED_SERVICE] + ([LEASE_SERVICE] if leases else [])
 
     def add_servicers(server) -> None:
         add_engine_protocol(servicer, server)
+        # The same Generate, many generations to a call (an edge's --decode-calls batched).
+        add_batched_generate(servicer, server)
         if leases:
             add_lease_service(leases, server)
         # grpcurl and gateways discover the services by reflection, as on `vllm serve --grpc`.

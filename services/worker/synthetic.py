@@ -25,9 +25,15 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve.rpc import Server
 
+from .batched import SERVICE_NAME as BATCHED_SERVICE
+from .batched import add_to_server as add_batched_generate
+
 log = logging.getLogger("pdserve.synthetic")
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# What a synthetic worker serves, as a pdserve worker does: the engine protocol, and
+# the same Generate batched (services/worker/batched.py).
+SERVICE_NAMES = [SERVICE_NAME, BATCHED_SERVICE]
 
 
 def stamp_text(now_ns: int | None = None) -> str:
@@ -38,6 +44,12 @@ def stamp_text(now_ns: int | None = None) -> str:
 def read_stamps(text: str) -> list[int]:
     """The send times (µs, CLOCK_MONOTONIC) a synthetic stream's text spells."""
     return [int(w) for w in text.split() if w.isdigit()]
+
+
+def add_to_server(engine: SyntheticEngine, server) -> None:
+    """Serve `engine` as `SERVICE_NAMES`."""
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(engine, server)
+    engine.batched = add_batched_generate(engine, server)
 
 
 class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -53,6 +65,7 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.running: dict[str, asyncio.Task] = {}
         self.generated = 0                      # chunks sent, all streams
         self.requests: dict[str, tuple[list[int], int]] = {}
+        self.batched = None                     # its BatchedGenerate servicer, once served
         self._thawed = asyncio.Event()
         self._thawed.set()
 
@@ -120,8 +133,7 @@ async def serve(model: str, served_model_name: str, host: str, port: int, rate: 
 
     from pdserve.lifecycle import until_signalled
     engine = SyntheticEngine(AutoTokenizer.from_pretrained(model), served_model_name or model, rate)
-    server = Server(host, port, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-        engine, s), [SERVICE_NAME])
+    server = Server(host, port, lambda s: add_to_server(engine, s), SERVICE_NAMES)
     await server.start()
     log.info("synthetic engine listening on %s:%d (%s, %.1f chunks/s per stream)", host,
              server.port, engine.name, rate)

@@ -62,7 +62,9 @@ def stock_cluster(model_dir, reference):
                           name="router"))
         procs.append(Proc(pdserve_cmd("edge", "--model", str(model_dir), "--port", str(edge_port),
                                       "--grpc-port", str(free_port()),
-                                      "--router", f"127.0.0.1:{router_port}"), name="edge"))
+                                      "--router", f"127.0.0.1:{router_port}",
+                                      # Stock workers offer no batched calls: per-request.
+                                      "--decode-calls", "batched"), name="edge"))
         url = f"http://127.0.0.1:{edge_port}"
         _wait_http(f"{url}/health", procs[-1], 300)     # a slow box imports slowly
         yield url, procs
@@ -111,3 +113,5 @@ def test_pdserve_edge_over_stock_engines_equals_single_engine(stock_cluster, mod
     moved = metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total") - before
     prompt = body["usage"]["prompt_tokens"]
     assert prompt - 1 <= moved <= prompt
+    # Asked for batched decode calls, the edge found the stock worker has none.
+    assert any("per-request decode calls" in line for line in procs[-1].lines)

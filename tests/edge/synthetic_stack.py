@@ -24,7 +24,7 @@ from services.edge.prompts import PromptEncoder
 from services.edge.runner import EdgeRunner
 from services.router.probes import EngineProbes
 from services.router.server import RouterService
-from services.worker.synthetic import SyntheticEngine
+from services.worker.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server
 from support import free_port
 
 
@@ -53,15 +53,20 @@ class EdgeStack:
 
 @contextlib.asynccontextmanager
 async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity: int = 0,
-                     engines: int = 1, **edge_options):
-    """Yield an EdgeStack (`replicas` edges and `engines` decode engines on one router);
+                     engines: int = 1, stock_engines: bool = False, **edge_options):
+    """Yield an EdgeStack (`replicas` edges and `engines` decode engines on one router;
+    `stock_engines`: serving vLLM's engine protocol only, as `vllm ... --grpc` does);
     everything is stopped on exit."""
     encoder = PromptEncoder(str(model_dir))
     decoders = []
     for _ in range(engines):
         engine = SyntheticEngine(encoder.tokenizer, str(model_dir), rate, capacity=capacity)
-        server = Server("127.0.0.1", 0, lambda s, e=engine: vllm_engine_pb2_grpc
-                        .add_VllmEngineServicer_to_server(e, s), [])
+        if stock_engines:
+            server = Server("127.0.0.1", 0, lambda s, e=engine: vllm_engine_pb2_grpc
+                            .add_VllmEngineServicer_to_server(e, s), SERVICE_NAMES[:1])
+        else:
+            server = Server("127.0.0.1", 0, lambda s, e=engine: add_to_server(e, s),
+                            SERVICE_NAMES)
         await server.start()
         decoders.append((engine, server))
     router_cfg = RouterConfig(port=0, static_workers=tuple(
@@ -76,7 +81,8 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
                              min_prefill_workers=0), **edge_options)
     edges = []
     for _ in range(replicas):
-        orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer, resilience(cfg))
+        orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer, resilience(cfg),
+                                    batched=cfg.decode_calls == "batched")
         app = build_app(cfg, orchestrator, encoder)
         runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()

@@ -1,0 +1,190 @@
+"""Decode legs on one shared call per worker (`pdserve.v1.BatchedGenerate`).
+
+With `--decode-calls batched`, the edge reads the tokens of all its
+generations on a worker through one bidirectional call, whose messages each
+carry every output the worker produced in one turn of its loop (see
+services/worker/batched.py): at 1,000 streams x 20 tokens/s that is a third of
+the gRPC CPU per token of one `Generate` call per generation, on both sides
+(scripts/grpc_mux_cpu.py). Prefill, Abort and everything else stay on vLLM's
+`VllmEngine`; a worker that does not offer the service (a stock `vllm ...
+--grpc`) gets per-request calls.
+
+A `BatchedLeg` behaves as the per-request call it replaces, as far as
+`GenerationStream` can tell: iterating it yields `GenerateResponse`s, then
+ends, or raises `grpc.aio.AioRpcError` with the generation's status (the
+shared call failing is UNAVAILABLE for every generation on it, so each moves
+to another worker as it would when its own call broke); `cancel()` makes the
+iteration raise `CancelledError` and aborts the generation on the worker; the
+deadline holds on this side too.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+
+import grpc
+from smg_grpc_proto import vllm_engine_pb2
+
+from pdserve.v1 import batched_pb2, batched_pb2_grpc
+
+log = logging.getLogger("pdserve.edge")
+
+SERVICE_NAME = batched_pb2.DESCRIPTOR.services_by_name["BatchedGenerate"].full_name
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_CANCELLED = object()                           # ended by cancel() on this side
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class BatchedLeg:
+    """One generation on a shared call: an async iterator of GenerateResponse."""
+
+    def __init__(self, call: _SharedCall, request_id: str):
+        self._call, self.request_id = call, request_id
+        self._outputs: collections.deque = collections.deque()
+        self._end: object | tuple[grpc.StatusCode, str] | None = None
+        self._waiter: asyncio.Future | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def __aiter__(self) -> BatchedLeg:
+        return self
+
+    async def __anext__(self) -> vllm_engine_pb2.GenerateResponse:
+        while not self._outputs:
+            if self._end is _CANCELLED:
+                raise asyncio.CancelledError()
+            if self._end is not None:
+                code, details = self._end
+                if code == grpc.StatusCode.OK:
+                    raise StopAsyncIteration
+                raise _error(code, details)
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._outputs.popleft()
+
+    def cancel(self) -> bool:
+        """Stop reading and abort it on the worker; False once it has ended."""
+        if self._end is not None:
+            return False
+        self._call.abort(self.request_id)
+        self._ended(_CANCELLED)
+        return True
+
+    def _push(self, response: vllm_engine_pb2.GenerateResponse) -> None:
+        if self._end is None:
+            self._outputs.append(response)
+            self._wake()
+
+    def _ended(self, end) -> None:
+        if self._end is None:
+            self._end = end
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._call.legs.pop(self.request_id, None)
+            self._wake()
+
+    def _past_deadline(self) -> None:
+        if self._end is None:
+            self._call.abort(self.request_id)
+            self._ended((grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class _SharedCall:
+    """One open `BatchedGenerate` call and the legs on it."""
+
+    def __init__(self, stub: batched_pb2_grpc.BatchedGenerateStub, on_end):
+        self.legs: dict[str, BatchedLeg] = {}
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._call = stub.Generate(self._sent())
+        self._reader = asyncio.ensure_future(self._read(on_end))
+
+    async def _sent(self):
+        while (req := await self._requests.get()) is not None:
+            yield req
+
+    def start(self, request: vllm_engine_pb2.GenerateRequest, timeout: float | None,
+              metadata) -> BatchedLeg:
+        rid = request.request_id
+        if rid in self.legs:
+            raise ValueError(f"request {rid} is already running on this call")
+        leg = self.legs[rid] = BatchedLeg(self, rid)
+        self._requests.put_nowait(batched_pb2.BatchedRequest(
+            request_id=rid, generate=request.SerializeToString(),
+            timeout_seconds=timeout or 0.0, metadata=dict(metadata or ())))
+        if timeout:
+            leg._deadline = asyncio.get_running_loop().call_later(timeout, leg._past_deadline)
+        return leg
+
+    def abort(self, request_id: str) -> None:
+        if not self._reader.done():
+            self._requests.put_nowait(batched_pb2.BatchedRequest(request_id=request_id,
+                                                                 abort=True))
+
+    async def _read(self, on_end) -> None:
+        code, details = grpc.StatusCode.UNAVAILABLE, "the batched call ended"
+        try:
+            parse = vllm_engine_pb2.GenerateResponse.FromString
+            async for batch in self._call:
+                for out in batch.outputs:
+                    leg = self.legs.get(out.request_id)
+                    if leg is None:
+                        continue                # cancelled here: its last outputs
+                    if out.response:
+                        leg._push(parse(out.response))
+                    if out.ended:
+                        leg._ended((_CODES.get(out.status_code, grpc.StatusCode.UNKNOWN),
+                                    out.status_details))
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), f"the batched call failed: {e.details()}"
+        except asyncio.CancelledError:
+            code, details = grpc.StatusCode.CANCELLED, "the edge closed the batched call"
+            raise
+        finally:
+            on_end(self)
+            if self.legs:
+                log.warning("batched call ended (%s: %s) with %d generations open",
+                            code.name, details, len(self.legs))
+            for leg in list(self.legs.values()):
+                # UNAVAILABLE, as a broken per-request call: each generation moves on.
+                leg._ended((grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
+                            details))
+
+    async def close(self) -> None:
+        self._requests.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class BatchedCalls:
+    """This edge's shared call to one worker, opened when first needed and again
+    after it ends."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._stub = batched_pb2_grpc.BatchedGenerateStub(channel)
+        self._call: _SharedCall | None = None
+
+    def Generate(self, request: vllm_engine_pb2.GenerateRequest, timeout: float | None = None,
+                 metadata=None) -> BatchedLeg:
+        """A leg for `request`, as `VllmEngineStub.Generate` would give a call."""
+        if self._call is None:
+            self._call = _SharedCall(self._stub, self._ended)
+        return self._call.start(request, timeout, metadata)
+
+    def _ended(self, call: _SharedCall) -> None:
+        if self._call is call:
+            self._call = None
+
+    async def close(self) -> None:
+        if self._call is not None:
+            await self._call.close()

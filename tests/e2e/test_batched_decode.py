@@ -1,0 +1,64 @@
+"""`--decode-calls batched` on real engines: a second edge on the suite's stack reads
+every decode leg through one `BatchedGenerate` call per worker. The reference cases,
+streamed at once (so their tokens share messages), give the single engine's text,
+and the KV still travels from the prefill worker."""
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cases import CASES, MAX_TOKENS
+from conftest import _wait_http
+from support import Proc, free_port, metric_sum, parse_sse, pdserve_cmd
+
+
+@pytest.fixture(scope="module")
+def batched_edge(stack, model_dir):
+    port = free_port()
+    proc = Proc(pdserve_cmd("edge", "--model", str(model_dir), "--port", str(port),
+                            "--grpc-port", str(free_port()), "--router", stack.router,
+                            "--decode-calls", "batched"), name="edge-batched")
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, 120)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        assert proc.stop(timeout=30) == 0
+
+
+def _stream(url: str, model: str, case) -> tuple[str, dict, str]:
+    path = "chat/completions" if case.kind == "chat" else "completions"
+    body = case.body(model, True) | {"stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{url}/v1/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        route = r.headers["x-pdserve-path"]
+        events = parse_sse(r.read().decode())
+    assert [i for i, _ in events] == list(range(1, len(events) + 1))
+    assert events[-1][1] == "[DONE]", events[-3:]
+    text, usage = [], {}
+    for _, ev in events[:-1]:
+        data = json.loads(ev)
+        assert "error" not in data, data
+        usage = data.get("usage") or usage
+        for choice in data["choices"]:
+            text.append(choice["delta"].get("content") or "" if case.kind == "chat"
+                        else choice["text"])
+    return "".join(text), usage, route
+
+
+def test_batched_decode_calls_give_the_single_engine_text(stack, reference, batched_edge,
+                                                          model_dir):
+    url, proc = batched_edge
+    before = metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total")
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        results = list(pool.map(lambda case: _stream(url, stack.model, case), CASES))
+    for case, (text, usage, route) in zip(CASES, results):
+        assert text == reference[case.name]["text"], case.name
+        assert usage["completion_tokens"] == MAX_TOKENS
+        assert route in ("disaggregated", "local")
+    assert "disaggregated" in [route for _, _, route in results]
+    assert metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total") > before
+    assert any("batched decode calls" in line for line in proc.lines), proc.lines[-20:]

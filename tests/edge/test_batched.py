@@ -1,0 +1,92 @@
+"""`--decode-calls batched`: the edge reads every generation on a worker through one
+shared `BatchedGenerate` call. Synthetic decode engines behind a real router, real
+HTTP clients; the streams must be those of per-request calls, and the call must
+really carry many streams' outputs per message. (Real engines:
+tests/e2e/test_batched_decode.py.)"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from services.worker.synthetic import read_stamps
+from support import parse_sse
+from synthetic_stack import edge_stack
+
+
+async def _stream(http, stack, max_tokens: int) -> list[tuple[int | None, str]]:
+    async with http.post(f"{stack.url}/v1/completions", json=stack.body(max_tokens)) as r:
+        assert r.status == 200, await r.text()
+        return parse_sse(await r.text())
+
+
+def _texts(events) -> str:
+    chunks = [json.loads(d) for _, d in events if d != "[DONE]"]
+    assert not [c for c in chunks if "error" in c], chunks
+    return "".join(c["choices"][0]["text"] for c in chunks)
+
+
+async def test_concurrent_streams_share_one_call_and_its_messages(model_dir):
+    async with edge_stack(model_dir, rate=50.0, decode_calls="batched") as stack:
+        async with aiohttp.ClientSession() as http:
+            streams = await asyncio.gather(*(_stream(http, stack, 30) for _ in range(40)))
+        batched = stack.engine.batched
+        for events in streams:
+            ids = [i for i, _ in events]
+            assert ids == list(range(1, len(ids) + 1)) and events[-1][1] == "[DONE]"
+            assert len(_texts(events).split()) == 30          # one stamp per token
+        assert batched.calls == 1                             # one call for all 40
+        # Every chunk and every end went through it: a stream's last chunk, its final
+        # response and its end, produced in one turn, always share a message; chunks of
+        # streams that coincide do too.
+        assert batched.outputs == 40 * (30 + 1 + 1)
+        assert batched.messages <= batched.outputs - 2 * 40, (batched.messages, batched.outputs)
+
+
+async def test_a_deleted_stream_stops_on_the_engine_at_once(model_dir):
+    async with edge_stack(model_dir, rate=20.0, decode_calls="batched") as stack:
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(f"{stack.url}/v1/completions", json=stack.body(400))
+            sid = r.headers["x-pdserve-stream-id"]
+            await r.content.readuntil(b"\n\n")
+            assert stack.engine.running
+            cancelled = time.monotonic()
+            async with http.delete(f"{stack.url}/v1/streams/{sid}") as d:
+                assert d.status == 200
+            while stack.engine.running and time.monotonic() - cancelled < 2:
+                await asyncio.sleep(0.005)
+            assert not stack.engine.running
+            assert time.monotonic() - cancelled < 0.1
+            r.close()
+
+
+async def test_a_dead_worker_moves_every_generation_on_its_call(model_dir):
+    """The shared call breaking is each generation's call breaking: all move, none is lost."""
+    async with edge_stack(model_dir, rate=50.0, engines=2, decode_calls="batched") as stack:
+        async with aiohttp.ClientSession() as http:
+            tasks = [asyncio.create_task(_stream(http, stack, 100)) for _ in range(6)]
+            while sum(len(e.running) for e, _ in stack.engines) < 6:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            victim = max(range(2), key=lambda i: len(stack.engines[i][0].running))
+            moved = len(stack.engines[victim][0].running)
+            await stack.engines[victim][1].stop(0)             # the worker is gone
+            streams = await asyncio.gather(*tasks)
+        for events in streams:
+            ids = [i for i, _ in events]
+            assert ids == list(range(1, len(ids) + 1)) and events[-1][1] == "[DONE]"
+            stamps = read_stamps(_texts(events))               # send times: none repeated
+            assert stamps == sorted(set(stamps)) and len(stamps) > 50
+        survivor = stack.engines[1 - victim][0]
+        assert moved and sum(rid.endswith("-m1") for rid in survivor.requests) == moved
+
+
+async def test_a_stock_worker_gets_per_request_calls(model_dir):
+    async with edge_stack(model_dir, rate=100.0, stock_engines=True,
+                          decode_calls="batched") as stack:
+        async with aiohttp.ClientSession() as http:
+            events = await _stream(http, stack, 10)
+        assert len(_texts(events).split()) == 10
+        assert stack.engine.batched is None
