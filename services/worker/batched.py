@@ -27,6 +27,7 @@ from pdserve.v1 import batched_pb2, batched_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+MESSAGE_BYTES = 1 << 20                 # a message's outputs, at most (roughly)
 SERVICE_NAME = batched_pb2.DESCRIPTOR.services_by_name["BatchedGenerate"].full_name
 
 
@@ -67,15 +68,29 @@ class BatchedGenerateServicer(batched_pb2_grpc.BatchedGenerateServicer):
                 await call.ready.wait()
                 await asyncio.sleep(0)          # let this turn's other outputs join
                 call.ready.clear()
-                if call.outbox:
-                    outputs, call.outbox = call.outbox, []
+                outputs, call.outbox = call.outbox, []
+                for message in _messages(outputs):
                     self.messages += 1
-                    self.outputs += len(outputs)
-                    yield batched_pb2.BatchedOutputs(outputs=outputs)
+                    self.outputs += len(message)
+                    yield batched_pb2.BatchedOutputs(outputs=message)
         finally:
             reader.cancel()
             for task in list(call.running.values()):
                 task.cancel()
+
+
+def _messages(outputs: list) -> list[list]:
+    """The outputs cut into messages of at most MESSAGE_BYTES (a reader that fell
+    behind finds many waiting; gRPC refuses messages over 4 MiB)."""
+    messages, size = [[]], 0
+    for out in outputs:
+        cost = len(out.response) + len(out.request_id) + 16
+        if messages[-1] and size + cost > MESSAGE_BYTES:
+            messages.append([])
+            size = 0
+        messages[-1].append(out)
+        size += cost
+    return messages if messages[0] else []
 
 
 def add_to_server(engine, server) -> BatchedGenerateServicer:
