@@ -9,9 +9,16 @@ import json
 import time
 
 import aiohttp
+import pytest
 
 from support import parse_sse
 from synthetic_stack import edge_stack
+
+
+@pytest.fixture(params=["per-request", "batched"])
+def decode_calls(request) -> str:
+    """Each case on a call per leg, and on the workers' shared batched call."""
+    return request.param
 
 
 def _running(stack) -> list[int]:
@@ -66,8 +73,8 @@ def _migrations(stack) -> float:
     return stack.metrics.migrations.labels(stack.model)._value.get()
 
 
-async def test_a_dead_decode_worker_hands_the_stream_on(model_dir):
-    async with edge_stack(model_dir, rate=50.0, engines=2) as stack:
+async def test_a_dead_decode_worker_hands_the_stream_on(model_dir, decode_calls):
+    async with edge_stack(model_dir, decode_calls=decode_calls, rate=50.0, engines=2) as stack:
         async def kill(i):
             await stack.engines[i][1].stop(0)      # the server goes; its calls fail
         events, dead, _ = await _stream_with_fault(stack, kill)
@@ -84,8 +91,8 @@ async def test_a_dead_decode_worker_hands_the_stream_on(model_dir):
         assert _migrations(stack) == 1
 
 
-async def test_a_stalled_decode_worker_is_left_within_its_deadline(model_dir):
-    async with edge_stack(model_dir, rate=50.0, engines=2, decode_stall_seconds=0.5) as stack:
+async def test_a_stalled_decode_worker_is_left_within_its_deadline(model_dir, decode_calls):
+    async with edge_stack(model_dir, decode_calls=decode_calls, rate=50.0, engines=2, decode_stall_seconds=0.5) as stack:
         async def freeze(i):
             stack.engines[i][0].freeze()           # calls stay open, nothing is sent
         events, frozen, at = await _stream_with_fault(stack, freeze)
@@ -97,8 +104,8 @@ async def test_a_stalled_decode_worker_is_left_within_its_deadline(model_dir):
         assert _migrations(stack) == 1
 
 
-async def test_moves_are_bounded(model_dir):
-    async with edge_stack(model_dir, rate=50.0, engines=2, max_migrations=0) as stack:
+async def test_moves_are_bounded(model_dir, decode_calls):
+    async with edge_stack(model_dir, decode_calls=decode_calls, rate=50.0, engines=2, max_migrations=0) as stack:
         async def kill(i):
             await stack.engines[i][1].stop(0)
         events, _, _ = await _stream_with_fault(stack, kill)
@@ -107,8 +114,8 @@ async def test_moves_are_bounded(model_dir):
         assert error["type"] == "service_unavailable" and "moved 0 times" in error["message"]
 
 
-async def test_the_request_budget_ends_it_everywhere(model_dir):
-    async with edge_stack(model_dir, rate=20.0, engines=1) as stack:
+async def test_the_request_budget_ends_it_everywhere(model_dir, decode_calls):
+    async with edge_stack(model_dir, decode_calls=decode_calls, rate=20.0, engines=1) as stack:
         async with aiohttp.ClientSession() as http:
             started = time.monotonic()
             async with http.post(f"{stack.url}/v1/completions", json=stack.body(100),
@@ -131,7 +138,7 @@ async def test_the_request_budget_ends_it_everywhere(model_dir):
                 assert (await r.json())["error"]["param"] == "x-pdserve-timeout-ms"
 
 
-async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(model_dir):
+async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(model_dir, decode_calls):
     """An overloaded edge reads some streams seconds late. A leg it has not read for
     longer than the stall deadline, on a worker whose other legs keep talking, is the
     edge's delay, not a stall: it must not be moved (or cut short)."""
@@ -139,7 +146,7 @@ async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(
     from services.edge.app import ORCH
     from services.edge.generation import Generation
 
-    async with edge_stack(model_dir, rate=50.0, decode_stall_seconds=0.3) as stack:
+    async with edge_stack(model_dir, decode_calls=decode_calls, rate=50.0, decode_stall_seconds=0.3) as stack:
         orch = stack.app[ORCH]
 
         async def start(rid: str, max_tokens: int):
