@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from pdserve.bench.deployments import Hardware, PdserveStack, metric_sum
+from pdserve.config import EdgeConfig
 
 _FAULTS = ("kill", "stop", "term", "edge")
 # Deadlines tight enough that a fault is seen in about a second here.
@@ -166,7 +167,8 @@ class Chaos:
         self.stack = PdserveStack("chaos", a.model, local_prefill_below=0,
                                   hw=Hardware(units=tuple(sorted(os.sched_getaffinity(0)))),
                                   prefill_workers=2, decode_workers=2,
-                                  placement=_ROUTER_FLAGS + _EDGE_FLAGS)
+                                  placement=_ROUTER_FLAGS + _EDGE_FLAGS
+                                  + ("--decode-calls", a.decode_calls))
         self.url = ""
         self.streams: list[Stream] = []
         self.faults: list[Fault] = []
@@ -363,6 +365,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--first-fault", type=float, default=3.0, help="seconds of load before it")
     p.add_argument("--gap", type=float, default=5.0, help="most seconds between faults")
     p.add_argument("--stop-seconds", type=float, default=4.0, help="how long SIGSTOP lasts")
+    p.add_argument("--decode-calls", choices=["per-request", "batched"],
+                   default=EdgeConfig(model="-").decode_calls,
+                   help="how the edge reads decode tokens (pdserve edge --decode-calls)")
     p.add_argument("--model", default="models/tiny-llama")
     p.add_argument("--json", action="store_true")
     return p

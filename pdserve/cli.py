@@ -130,9 +130,9 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-migrations", type=int, default=d.max_migrations,
                    help="moves to another decode worker per generation before it fails")
     g.add_argument("--decode-calls", choices=["per-request", "batched"], default=d.decode_calls,
-                   help="how decode tokens travel: a vLLM Generate call per generation, or "
-                        "batched: one shared call per pdserve worker, each message every "
-                        "output of one turn (a stock worker still gets per-request calls)")
+                   help="how decode tokens travel: batched, one shared call per pdserve "
+                        "worker, each message every output of one turn (a stock worker gets "
+                        "per-request calls), or per-request: a vLLM Generate call each")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:

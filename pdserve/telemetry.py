@@ -129,10 +129,16 @@ _REQUEST_METHODS = ("Route", "Generate", "Abort", "Claim", "Release")
 _STREAMS = ("Generate",)
 
 
+# A shared call of many generations (services/worker/batched.py) is no request of its
+# own: each generation gets its span there, from its own metadata.
+_SHARED_CALLS = "pdserve.v1.BatchedGenerate"
+
+
 def _request_calls(client: bool = False):
     from opentelemetry.instrumentation.grpc import filters
     methods = [m for m in _REQUEST_METHODS if not (client and m in _STREAMS)]
-    return filters.any_of(*(filters.method_name(m) for m in methods))
+    return filters.all_of(filters.any_of(*(filters.method_name(m) for m in methods)),
+                          filters.negate(filters.service_name(_SHARED_CALLS)))
 
 
 def metadata() -> tuple | None:

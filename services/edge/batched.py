@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import logging
 
 import grpc
@@ -105,8 +106,11 @@ class _SharedCall:
     def __init__(self, stub: batched_pb2_grpc.BatchedGenerateStub, on_end):
         self.legs: dict[str, BatchedLeg] = {}
         self._requests: asyncio.Queue = asyncio.Queue()
-        self._call = stub.Generate(self._sent())
-        self._reader = asyncio.ensure_future(self._read(on_end))
+        # The call outlives the request that opened it: it belongs to no request's trace
+        # (each generation's context travels in its own request's metadata).
+        quiet = contextvars.Context()
+        self._call = quiet.run(stub.Generate, self._sent())
+        self._reader = asyncio.get_running_loop().create_task(self._read(on_end), context=quiet)
 
     async def _sent(self):
         while (req := await self._requests.get()) is not None:

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MESSAGE_BYTES = 1 << 20                 # a message's outputs, at most (roughly)
 SERVICE_NAME = batched_pb2.DESCRIPTOR.services_by_name["BatchedGenerate"].full_name
+GENERATION_SPAN = f"/{SERVICE_NAME}/Generate"
 
 
 class _Aborted(Exception):
@@ -138,7 +139,8 @@ class _Call:
         if telemetry.enabled():
             from opentelemetry import propagate, trace
             parent = trace.get_current_span(propagate.extract(dict(req.metadata)))
-            span = telemetry.span("generate", parent=parent, kind=trace.SpanKind.SERVER,
+            # Named as a call of its own would be: one per generation.
+            span = telemetry.span(GENERATION_SPAN, parent=parent, kind=trace.SpanKind.SERVER,
                                   attributes={"pdserve.request.id": rid})
         error: BaseException | str | None = None
         try:

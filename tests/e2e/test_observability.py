@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.worker.batched import GENERATION_SPAN
 from support import parse_sse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,10 +58,12 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     generation = f"chat {stack.model}"
     route_call, engine_call = "/pdserve.v1.Router/Route", "/vllm.grpc.engine.VllmEngine/Generate"
     claim_call = "/pdserve.v1.KVTransfer/Claim"
+    # The decode leg rides the worker's shared batched call: its span is the generation's.
+    decode_call = GENERATION_SPAN
     spans = stack.traces.wait_for(trace_id, {
         *(("pdserve-edge", name) for name in (generation, route_call, *_EDGE_STEPS)),
         ("pdserve-router", route_call), ("pdserve-prefill", engine_call),
-        ("pdserve-decode", engine_call), ("pdserve-decode", "kv_transfer"),
+        ("pdserve-decode", decode_call), ("pdserve-decode", "kv_transfer"),
         ("pdserve-decode", claim_call), ("pdserve-prefill", claim_call),
         ("pdserve-edge", "POST /v1/chat/completions")})
     by_id = {s.span_id: s for s in spans}
@@ -83,7 +86,7 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     one("pdserve-router", route_call,
         parent=one("pdserve-edge", route_call, parent=steps["route"]))
     one("pdserve-prefill", engine_call, parent=steps["prefill"])
-    decode = one("pdserve-decode", engine_call, parent=steps["decode"])
+    decode = one("pdserve-decode", decode_call, parent=steps["decode"])
     # The KV handover on the decode worker: its lease claim reaches the prefill worker.
     transfer = one("pdserve-decode", "kv_transfer", parent=decode)
     one("pdserve-prefill", claim_call, parent=one("pdserve-decode", claim_call, parent=transfer))
