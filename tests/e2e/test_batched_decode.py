@@ -1,31 +1,17 @@
-"""`--decode-calls batched` on real engines: a second edge on the suite's stack reads
-every decode leg through one `BatchedGenerate` call per worker. The reference cases,
-streamed at once (so their tokens share messages), give the single engine's text,
-and the KV still travels from the prefill worker."""
+"""Batched decode calls (the default, `--decode-calls batched`) on real engines: the
+suite's stack reads every decode leg through one `BatchedGenerate` call per worker.
+The reference cases, streamed at once (so their tokens share messages), give the
+single engine's text, and the KV still travels from the prefill worker. (Per-request
+calls on real engines: tests/e2e/test_stock_engine_interop.py, whose stock workers
+offer no batched calls.)"""
 from __future__ import annotations
 
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from cases import CASES, MAX_TOKENS
-from conftest import _wait_http
-from support import Proc, free_port, metric_sum, parse_sse, pdserve_cmd
-
-
-@pytest.fixture(scope="module")
-def batched_edge(stack, model_dir):
-    port = free_port()
-    proc = Proc(pdserve_cmd("edge", "--model", str(model_dir), "--port", str(port),
-                            "--grpc-port", str(free_port()), "--router", stack.router,
-                            "--decode-calls", "batched"), name="edge-batched")
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc, 120)
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        assert proc.stop(timeout=30) == 0
+from support import metric_sum, parse_sse
 
 
 def _stream(url: str, model: str, case) -> tuple[str, dict, str]:
@@ -49,9 +35,8 @@ def _stream(url: str, model: str, case) -> tuple[str, dict, str]:
     return "".join(text), usage, route
 
 
-def test_batched_decode_calls_give_the_single_engine_text(stack, reference, batched_edge,
-                                                          model_dir):
-    url, proc = batched_edge
+def test_batched_decode_calls_give_the_single_engine_text(stack, reference):
+    url, proc = stack.url, stack.proc
     before = metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total")
     with ThreadPoolExecutor(len(CASES)) as pool:
         results = list(pool.map(lambda case: _stream(url, stack.model, case), CASES))
