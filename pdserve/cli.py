@@ -129,7 +129,8 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                    help="the same, before a decode leg's first token")
     g.add_argument("--max-migrations", type=int, default=d.max_migrations,
                    help="moves to another decode worker per generation before it fails")
-    g.add_argument("--decode-calls", choices=["per-request", "batched"], default=d.decode_calls,
+    g.add_argument("--decode-calls", choices=["per-request", "batched"],
+                   default=_env("PDSERVE_DECODE_CALLS", d.decode_calls),
                    help="how decode tokens travel: batched, one shared call per pdserve "
                         "worker, each message every output of one turn (a stock worker gets "
                         "per-request calls), or per-request: a vLLM Generate call each")

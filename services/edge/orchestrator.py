@@ -31,8 +31,8 @@ from pdserve import telemetry
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, router_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 
+from .batched import BATCH_FROM, BatchedCalls
 from .batched import SERVICE_NAME as BATCHED_SERVICE
-from .batched import BatchedCalls
 from .detokenizer import StopRule, TextStream
 from .engine_requests import prefill_request
 from .generation import (DecodeLeg, Generation, GenerationStream, Heard, Resilience, api_error,
@@ -53,7 +53,8 @@ class Orchestrator:
     """Places requests and holds one channel per worker address."""
 
     def __init__(self, router_address: str, request_timeout: float, tokenizer,
-                 resilience: Resilience = Resilience(), batched: bool = False):
+                 resilience: Resilience = Resilience(), batched: bool = False,
+                 batch_from: int = BATCH_FROM):
         self.router_channel = channel(router_address)
         self.router = router_pb2_grpc.RouterStub(self.router_channel)
         self.timeout = request_timeout
@@ -62,7 +63,7 @@ class Orchestrator:
         self.heard = Heard()                # decode workers' last output, for stall checks
         self._channels: dict[str, grpc.aio.Channel] = {}
         # --decode-calls batched: one shared call per decode worker that offers it.
-        self.batched = batched
+        self.batched, self.batch_from = batched, batch_from
         self._batched: dict[str, BatchedCalls | None] = {}
         self._probes: dict[str, asyncio.Future] = {}
         self.prefill_fallbacks = 0          # requests prefilled locally after prefill failed
@@ -88,7 +89,8 @@ class Orchestrator:
             probe.add_done_callback(lambda _: self._probes.pop(address, None))
         serving = await asyncio.shield(probe)
         if serving is not None and address not in self._batched:
-            self._batched[address] = BatchedCalls(self._channel(address)) if serving else None
+            self._batched[address] = (BatchedCalls(self._channel(address), self.batch_from)
+                                      if serving else None)
             log.info("decode worker %s: %s decode calls", address,
                      "batched" if serving else "per-request")
         return self._batched.get(address)

@@ -63,6 +63,7 @@ class BatchedGenerateServicer(batched_pb2_grpc.BatchedGenerateServicer):
     async def Generate(self, request_iterator, context):
         call = _Call(self.engine)
         self.calls += 1
+        log.info("batched call %d opened by %s", self.calls, context.peer())
         reader = asyncio.create_task(call.read(request_iterator))
         try:
             while not (reader.done() and not call.running and not call.outbox):

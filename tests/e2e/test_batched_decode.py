@@ -1,7 +1,8 @@
 """Batched decode calls (the default, `--decode-calls batched`) on real engines: the
 suite's stack reads every decode leg through one `BatchedGenerate` call per worker.
-The reference cases, streamed at once (so their tokens share messages), give the
-single engine's text, and the KV still travels from the prefill worker. (Per-request
+The reference cases, streamed twice over at once (the first few legs on a worker get
+calls of their own, the rest share its call and its messages), give the single
+engine's text, and the KV still travels from the prefill worker. (Per-request
 calls on real engines: tests/e2e/test_stock_engine_interop.py, whose stock workers
 offer no batched calls.)"""
 from __future__ import annotations
@@ -38,12 +39,15 @@ def _stream(url: str, model: str, case) -> tuple[str, dict, str]:
 def test_batched_decode_calls_give_the_single_engine_text(stack, reference):
     url, proc = stack.url, stack.proc
     before = metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total")
-    with ThreadPoolExecutor(len(CASES)) as pool:
-        results = list(pool.map(lambda case: _stream(url, stack.model, case), CASES))
-    for case, (text, usage, route) in zip(CASES, results):
+    cases = CASES * 2                   # more legs at once than go on calls of their own
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: _stream(url, stack.model, case), cases))
+    for case, (text, usage, route) in zip(cases, results):
         assert text == reference[case.name]["text"], case.name
         assert usage["completion_tokens"] == MAX_TOKENS
         assert route in ("disaggregated", "local")
     assert "disaggregated" in [route for _, _, route in results]
     assert metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total") > before
     assert any("batched decode calls" in line for line in proc.lines), proc.lines[-20:]
+    # The first legs on the worker had calls of their own; later ones shared its call.
+    assert any("batched call 1 opened by" in line for line in proc.lines), proc.lines[-20:]

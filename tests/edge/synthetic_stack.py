@@ -53,9 +53,11 @@ class EdgeStack:
 
 @contextlib.asynccontextmanager
 async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity: int = 0,
-                     engines: int = 1, stock_engines: bool = False, **edge_options):
+                     engines: int = 1, stock_engines: bool = False, batch_from: int = 0,
+                     **edge_options):
     """Yield an EdgeStack (`replicas` edges and `engines` decode engines on one router;
-    `stock_engines`: serving vLLM's engine protocol only, as `vllm ... --grpc` does);
+    `stock_engines`: serving vLLM's engine protocol only, as `vllm ... --grpc` does;
+    `batch_from`: legs open on an engine before they share its batched call, here 0);
     everything is stopped on exit."""
     encoder = PromptEncoder(str(model_dir))
     decoders = []
@@ -82,7 +84,7 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
     edges = []
     for _ in range(replicas):
         orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer, resilience(cfg),
-                                    batched=cfg.decode_calls == "batched")
+                                    batched=cfg.decode_calls == "batched", batch_from=batch_from)
         app = build_app(cfg, orchestrator, encoder)
         runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()

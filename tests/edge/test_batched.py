@@ -90,3 +90,21 @@ async def test_a_stock_worker_gets_per_request_calls(model_dir):
             events = await _stream(http, stack, 10)
         assert len(_texts(events).split()) == 10
         assert stack.engine.batched is None
+
+
+async def test_the_first_legs_on_a_worker_get_calls_of_their_own(model_dir):
+    """Below `batch_from` open legs a leg gets its own Generate call (cheaper alone);
+    from then on new legs share the worker's call."""
+    async with edge_stack(model_dir, rate=50.0, batch_from=3, decode_calls="batched") as stack:
+        async with aiohttp.ClientSession() as http:
+            alone = await _stream(http, stack, 10)
+            assert stack.engine.batched.calls == 0              # one leg: a call of its own
+            streams = [asyncio.create_task(_stream(http, stack, 40)) for _ in range(3)]
+            while len(stack.engine.running) < 3:
+                await asyncio.sleep(0.01)
+            late = await asyncio.gather(*(_stream(http, stack, 10) for _ in range(4)))
+            early = await asyncio.gather(*streams)
+        for events in [alone, *early, *late]:
+            assert events[-1][1] == "[DONE]" and len(_texts(events).split()) in (10, 40)
+        assert stack.engine.batched.calls == 1
+        assert stack.engine.batched.outputs == 4 * (10 + 1 + 1)   # the four late legs only
