@@ -7,7 +7,8 @@ services/worker/batched.py): at 1,000 streams x 20 tokens/s that is a third of
 the gRPC CPU per token of one `Generate` call per generation, on both sides
 (scripts/grpc_mux_cpu.py). Prefill, Abort and everything else stay on vLLM's
 `VllmEngine`; a worker that does not offer the service (a stock `vllm ...
---grpc`) gets per-request calls.
+--grpc`) gets per-request calls, and so do the first `BATCH_FROM` legs open on a
+worker that does (alone, a call of its own is cheaper than a shared one).
 
 A `BatchedLeg` behaves as the per-request call it replaces, as far as
 `GenerationStream` can tell: iterating it yields `GenerateResponse`s, then

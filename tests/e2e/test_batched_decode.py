@@ -1,5 +1,6 @@
-"""Batched decode calls (the default, `--decode-calls batched`) on real engines: the
-suite's stack reads every decode leg through one `BatchedGenerate` call per worker.
+"""Batched decode calls (`--decode-calls batched`, as the suite's stack runs) on real
+engines: past a few open legs, the edge reads decode legs through one
+`BatchedGenerate` call per worker.
 The reference cases, streamed twice over at once (the first few legs on a worker get
 calls of their own, the rest share its call and its messages), give the single
 engine's text, and the KV still travels from the prefill worker. (Per-request
@@ -8,10 +9,12 @@ offer no batched calls.)"""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from cases import CASES, MAX_TOKENS
+from services.worker.batched import GENERATION_SPAN
 from support import metric_sum, parse_sse
 
 
@@ -49,5 +52,12 @@ def test_batched_decode_calls_give_the_single_engine_text(stack, reference):
     assert "disaggregated" in [route for _, _, route in results]
     assert metric_sum(f"{url}/metrics", "pdserve:kv_transferred_tokens_total") > before
     assert any("batched decode calls" in line for line in proc.lines), proc.lines[-20:]
-    # The first legs on the worker had calls of their own; later ones shared its call.
+    # The first legs on the worker had calls of their own; later ones shared its call,
+    # each traced on the worker as a call of its own would be.
     assert any("batched call 1 opened by" in line for line in proc.lines), proc.lines[-20:]
+    deadline = time.monotonic() + 10
+    while not any(s.service == "pdserve-decode" and s.name == GENERATION_SPAN
+                  for s in stack.traces.spans) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    shared = [s for s in stack.traces.spans if s.name == GENERATION_SPAN]
+    assert shared and {s.service for s in shared} == {"pdserve-decode"}
