@@ -185,7 +185,6 @@ class BatchedCalls:
         self._call: _SharedCall | None = None
         self.batch_from = batch_from
         self.own_calls = 0                      # legs open on calls of their own
-        self.started = {"batched": 0, "per-request": 0}
 
     @property
     def open_legs(self) -> int:
@@ -195,12 +194,10 @@ class BatchedCalls:
                  metadata=None):
         """A leg for `request`, as `VllmEngineStub.Generate` would give a call."""
         if self.open_legs < self.batch_from:
-            self.started["per-request"] += 1
             call = self._engine.Generate(request, timeout=timeout, metadata=metadata)
             self.own_calls += 1
             call.add_done_callback(self._own_call_done)
             return call
-        self.started["batched"] += 1
         if self._call is None:
             self._call = _SharedCall(self._stub, self._ended)
         return self._call.start(request, timeout, metadata)

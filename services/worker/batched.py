@@ -135,11 +135,11 @@ class _Call:
                                             status_code=code.value[0], status_details=details))
 
     async def _run(self, req: batched_pb2.BatchedRequest) -> None:
-        rid = req.request_id
+        rid, metadata = req.request_id, dict(req.metadata)
         span = None
         if telemetry.enabled():
             from opentelemetry import propagate, trace
-            parent = trace.get_current_span(propagate.extract(dict(req.metadata)))
+            parent = trace.get_current_span(propagate.extract(metadata))
             # Named as a call of its own would be: one per generation.
             span = telemetry.span(GENERATION_SPAN, parent=parent, kind=trace.SpanKind.SERVER,
                                   attributes={"pdserve.request.id": rid})
@@ -148,7 +148,7 @@ class _Call:
             request = vllm_engine_pb2.GenerateRequest.FromString(req.generate)
             with telemetry.current(span) if span is not None else contextlib.nullcontext():
                 async with asyncio.timeout(req.timeout_seconds or None):
-                    async for resp in self.engine.Generate(request, _Context(dict(req.metadata))):
+                    async for resp in self.engine.Generate(request, _Context(metadata)):
                         self._put(batched_pb2.BatchedOutput(
                             request_id=rid, response=resp.SerializeToString()))
             self._end(rid)
@@ -169,4 +169,3 @@ class _Call:
             self.running.pop(rid, None)
             if span is not None:
                 telemetry.end(span, error)
-
