@@ -180,7 +180,7 @@ class Chaos:
     def workers(self) -> dict[str, int]:
         """Worker id (and "edge") -> PID of its process now (a restarted one has a new one)."""
         import psutil
-        up = psutil.Process(self.stack.children.procs[0][0].pid)
+        up = psutil.Process(self.stack.up_pid)
         out = {}
         for child in up.children():
             try:

@@ -50,6 +50,14 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def gateway_pids(up_pid: int) -> list[int]:
+    """The edge and router processes of a `pdserve up` (what sits between clients and
+    workers)."""
+    import psutil
+    return [c.pid for c in psutil.Process(up_pid).children()
+            if {"edge", "router"} & set(c.cmdline())]
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now, below the ephemeral range, and not handed
     out before by this process."""
@@ -238,12 +246,13 @@ class PdserveStack:
         return {w: f"http://127.0.0.1:{self.ports['metrics'] + k}/metrics"
                 for k, w in enumerate(ids)}
 
+    @property
+    def up_pid(self) -> int:
+        """The `pdserve up` process (its children are the stack's services)."""
+        return self.children.procs[0][0].pid
+
     def gateway_pids(self) -> list[int]:
-        """The edge and router processes (what sits between clients and workers)."""
-        import psutil
-        up = psutil.Process(self.children.procs[0][0].pid)
-        return [c.pid for c in up.children()
-                if {"edge", "router"} & set(c.cmdline())]
+        return gateway_pids(self.up_pid)
 
     def stop(self) -> None:
         self.children.stop()

@@ -44,29 +44,13 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
     return out
 
 
-def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
-                     hw: Hardware) -> dict:
-    """Start the stack and SMG, measure both, stop both; the result object."""
+def measure(gateways: dict[str, tuple[list[str], list[int]]], model: str, n: int,
+            rate: float, reps: int, seed: int) -> dict:
+    """The same workload through each running gateway (name -> (urls, the PIDs of its
+    processes)), `reps` times in alternating order; the result object."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
-    # Every prompt prefilled remotely, as SMG does: the same path through both.
-    stack = PdserveStack("gateways", model, local_prefill_below=0, hw=hw,
-                         placement=("--prefill-saturated", "0"))
-    smg = None
-    try:
-        progress("starting pdserve up")
-        edge = stack.start()
-        smg = SmgGateway("smg", model, stack.worker_addresses("prefill"),
-                         stack.worker_addresses("decode"))
-        progress("starting smg")
-        smg_urls = smg.start()
-        res = asyncio.run(_runs({"pdserve": (edge, stack.gateway_pids()),
-                                 "smg": (smg_urls, smg.pids())},
-                                model, tokenizer, n, rate, reps, seed))
-    finally:
-        if smg:
-            smg.stop()
-        stack.stop()
+    res = asyncio.run(_runs(gateways, model, tokenizer, n, rate, reps, seed))
     a, b = res["pdserve"], res["smg"]
     ratio = lambda k: round(a[k] / b[k], 3) if b[k] else None  # noqa: E731
     ratios = {f"{k}_pdserve_over_smg": ratio(k) for k in
@@ -80,3 +64,25 @@ def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
     return {"workload": f"random 1,024-token chat prompts, 64 out, {rate} req/s, "
                         f"{n} requests x {reps} alternating reps",
             "gateways": res, "ratios": ratios, "targets": targets}
+
+
+def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
+                     hw: Hardware) -> dict:
+    """Start the stack and SMG, measure both, stop both; the result object."""
+    # Every prompt prefilled remotely, as SMG does: the same path through both.
+    stack = PdserveStack("gateways", model, local_prefill_below=0, hw=hw,
+                         placement=("--prefill-saturated", "0"))
+    smg = None
+    try:
+        progress("starting pdserve up")
+        edge = stack.start()
+        smg = SmgGateway("smg", model, stack.worker_addresses("prefill"),
+                         stack.worker_addresses("decode"))
+        progress("starting smg")
+        smg_urls = smg.start()
+        return measure({"pdserve": (edge, stack.gateway_pids()), "smg": (smg_urls, smg.pids())},
+                       model, n, rate, reps, seed)
+    finally:
+        if smg:
+            smg.stop()
+        stack.stop()

@@ -1,7 +1,8 @@
 """The ecosystem's gateway in front of pdserve's workers: the Shepherd Model Gateway
 (`smg launch --pd-disaggregation`, Rust) drives pdserve's prefill and decode workers
 over vLLM's engine protocol; its completions equal a single stock vLLM engine's and
-the KV travels from prefill to decode."""
+the KV travels from prefill to decode. And `pdserve bench gateways`' measurement,
+pdserve's edge beside SMG over these same workers."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from cases import CASES
-from pdserve.bench.deployments import SmgGateway
+from pdserve.bench import gateways
+from pdserve.bench.deployments import SmgGateway, gateway_pids
 from engine_client import external_kv_tokens, flush_prefix_cache
 
 
@@ -32,7 +34,8 @@ def _decode_log(stack, request_id: str) -> str | None:
 def smg(stack, model_dir):
     gateway = SmgGateway("smg-test", str(model_dir), [stack.prefill], [stack.decode])
     try:
-        yield gateway.start()[0]
+        gateway.start()
+        yield gateway
     finally:
         gateway.stop()
 
@@ -44,7 +47,7 @@ def test_smg_over_pdserve_workers_equals_single_engine(smg, stack, reference, ca
         flush_prefix_cache(vllm_engine_pb2_grpc.VllmEngineStub(p),
                            vllm_engine_pb2_grpc.VllmEngineStub(d))   # earlier tests ran these
     before = external_kv_tokens(stack)
-    req = urllib.request.Request(f"{smg}/v1/completions",
+    req = urllib.request.Request(f"{smg.urls[0]}/v1/completions",
                                  data=json.dumps(case.body(stack.model, False)).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -61,3 +64,17 @@ def test_smg_over_pdserve_workers_equals_single_engine(smg, stack, reference, ca
     assert line and "(KV pulled from a prefill worker)" in line, line
     pulled = external_kv_tokens(stack) - before
     assert prompt_tokens - 1 <= pulled <= prompt_tokens
+
+
+def test_bench_gateways_measures_the_edge_and_smg_over_the_same_workers(smg, stack):
+    # `pdserve bench gateways` starts a stack and SMG of its own, then measures this way.
+    result = gateways.measure({"pdserve": ([stack.url], gateway_pids(stack.proc.popen.pid)),
+                               "smg": (smg.urls, smg.pids())},
+                              stack.model, n=2, rate=4, reps=1, seed=0)
+    assert set(result["gateways"]) == {"pdserve", "smg"}
+    for name, g in result["gateways"].items():
+        assert g["completed"] == 2 and g["failed"] == 0, (name, g)
+        assert g["ttft_p50_ms"] > 0 and g["gateway_cpu_ms_per_request"] > 0, (name, g)
+    assert result["ratios"]["ttft_p50_ms_pdserve_over_smg"] > 0
+    assert set(result["targets"]) == {"ttft_p50_le_smg", "ttft_p99_le_smg",
+                                      "tpot_le_1.05x_smg", "cpu_le_1.5x_smg"}

@@ -10,7 +10,8 @@ def test_start_up_objects_leave_the_collectors_view():
     before = [object(), {"a": 1}]                   # alive at start-up: frozen
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # Another thread (an earlier test's) may free a frozen object meanwhile.
+        assert 0 < gc.get_freeze_count() <= frozen
         after = [object()]                          # made while serving: collected as usual
         tracked = {id(o) for o in gc.get_objects()}
         assert id(before) not in tracked and id(after) in tracked
