@@ -46,7 +46,7 @@ from pdserve.config import EdgeConfig
 
 _FAULTS = ("kill", "stop", "term", "edge")
 # Deadlines tight enough that a fault is seen in about a second here.
-_EDGE_FLAGS = ("--decode-stall-seconds", "1.5", "--decode-first-token-seconds", "10",
+EDGE_FLAGS = ("--decode-stall-seconds", "1.5", "--decode-first-token-seconds", "10",
                "--prefill-timeout-seconds", "5", "--max-migrations", "5")
 _ROUTER_FLAGS = ("--local-cached-fraction", "1", "--prefill-saturated", "0")
 
@@ -159,16 +159,18 @@ def open_leases(prefill_address: str) -> int:
 class Chaos:
     """The stack, its load, and the faults."""
 
-    def __init__(self, a: argparse.Namespace):
+    def __init__(self, a: argparse.Namespace, stack=None):
+        """`stack`: a running one to break instead of starting its own (it has what
+        PdserveStack has: start, up_pid, worker_metrics, worker_addresses)."""
         self.a = a
         self.rng = random.Random(a.seed)            # the faults
         self.load_rng = random.Random(a.seed + 1)   # which prompt each stream sends
         self.prompts = _prompts(a.prompts, a.seed)
-        self.stack = PdserveStack("chaos", a.model, local_prefill_below=0,
-                                  hw=Hardware(units=tuple(sorted(os.sched_getaffinity(0)))),
-                                  prefill_workers=2, decode_workers=2,
-                                  placement=_ROUTER_FLAGS + _EDGE_FLAGS
-                                  + ("--decode-calls", a.decode_calls))
+        self.stack = stack or PdserveStack(
+            "chaos", a.model, local_prefill_below=0,
+            hw=Hardware(units=tuple(sorted(os.sched_getaffinity(0)))),
+            prefill_workers=2, decode_workers=2,
+            placement=_ROUTER_FLAGS + EDGE_FLAGS + ("--decode-calls", a.decode_calls))
         self.url = ""
         self.streams: list[Stream] = []
         self.faults: list[Fault] = []
@@ -352,7 +354,14 @@ class Chaos:
         }
 
 
-def _parser() -> argparse.ArgumentParser:
+def passed(out: dict) -> bool:
+    """Every accepted stream whole and unchanged, nothing leaked (and some load ran)."""
+    return (out["lost"] == 0 and out["duplicated"] == 0 and out["missing"] == 0
+            and out["text_mismatches"] == 0 and out["leaked_blocks"] == 0
+            and out["open_leases"] == 0 and out["streams"] > 0)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
@@ -374,7 +383,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    a = parser().parse_args(argv)
     bad = [k for k in a.faults.split(",") if k not in _FAULTS]
     if bad or a.duration <= 0 or a.concurrency < 1 or a.max_tokens < 1 or a.prompts < 1:
         print(f"pdserve chaos: bad arguments ({', '.join(bad) or 'sizes must be positive'})",
@@ -389,9 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         out = asyncio.run(chaos.run())
     finally:
         chaos.stack.stop()
-    ok = (out["lost"] == 0 and out["duplicated"] == 0 and out["missing"] == 0
-          and out["text_mismatches"] == 0 and out["leaked_blocks"] == 0
-          and out["open_leases"] == 0 and out["streams"] > 0)
+    ok = passed(out)
     if a.json:
         print(json.dumps(out | {"ok": ok}))
     else:
