@@ -131,9 +131,10 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                    help="moves to another decode worker per generation before it fails")
     g.add_argument("--decode-calls", choices=["per-request", "batched"],
                    default=_env("PDSERVE_DECODE_CALLS", d.decode_calls),
-                   help="how decode tokens travel: per-request, a vLLM Generate call per "
-                        "leg, or batched: past a few open legs, one shared call per pdserve "
-                        "worker, each message every output of one turn (many streams)")
+                   help="how decode tokens travel: batched, past a few open legs one shared "
+                        "call per pdserve worker, each message every output of one turn (a "
+                        "stock worker gets per-request calls), or per-request: a vLLM "
+                        "Generate call per leg")
 
 
 def _engine_config(a: argparse.Namespace) -> EngineConfig:

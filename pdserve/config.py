@@ -178,10 +178,10 @@ class EdgeConfig:
     decode_stall_seconds: float = 5.0       # a decode silent this long moves elsewhere
     decode_first_token_seconds: float = 30.0  # ... before its first token
     max_migrations: int = 3                 # moves per generation before it fails
-    # How decode legs read tokens: one vLLM `Generate` call each (per-request), or, past
-    # a few open legs, one shared call per worker that offers pdserve.v1.BatchedGenerate
-    # (batched; a stock worker still gets per-request calls).
-    decode_calls: str = "per-request"
+    # How decode legs read tokens: past a few open legs, one shared call per worker that
+    # offers pdserve.v1.BatchedGenerate (batched; a stock worker gets per-request calls),
+    # or one vLLM `Generate` call each (per-request).
+    decode_calls: str = "batched"
 
     def __post_init__(self) -> None:
         if not self.model:

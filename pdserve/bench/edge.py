@@ -45,9 +45,9 @@ from pathlib import Path
 
 from .otlp_collector import Collector
 
-# batched: the edge with --decode-calls batched (one shared call to the source's worker,
-# where `edge` has the default, a Generate call per stream)
-PATHS = ("direct", "nginx", "edge", "traced", "batched")
+# per_request: the edge with --decode-calls per-request (a Generate call per stream, where
+# `edge` has the default, one shared batched call to the source's worker past a few)
+PATHS = ("direct", "nginx", "edge", "traced", "per_request")
 NGINX = "/usr/sbin/nginx"
 PROMPT = "hello"
 _TEXT = re.compile(rb'"text":\s*"([^"]*)"')   # a completion chunk's text
@@ -562,7 +562,7 @@ def targets(result: dict) -> dict:
     if edge and st["streams"] >= 10_000:
         out["edge_10k_streams_0_errors"] = edge["errors"] == 0 and edge["streams_held"] >= 10_000
         out["edge_rss_le_1_gib"] = result["edge_rss_mib"] <= 1024
-    for name in ("edge", "batched"):
+    for name in ("edge", "per_request"):
         s = result.get(name)
         if s and st["streams"] >= 1000 and st["rate"] >= 20 and s["added_p99_ms"] is not None:
             out[f"{name}_added_p99_le_1_ms"] = s["added_p99_ms"] <= 1.0
@@ -637,7 +637,7 @@ def _measure_edges(dep: _Deployment, names: list[str], st: Settings, model: str,
         for name in names:
             progress(f"starting pdserve router + edge for {name}")
             dep.start_edge(name, _tracing_env(collector) if name == "traced" else None,
-                           ("--decode-calls", "batched") if name == "batched" else ())
+                           ("--decode-calls", "per-request") if name == "per_request" else ())
         out = measure_together({n: (dep.ports[n], _Deployment.pids(dep.edges[n][1]))
                                 for n in names}, st, model, tmp, source, source_url)
         for name in names:

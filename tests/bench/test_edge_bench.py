@@ -43,9 +43,9 @@ def test_smoke_prints_the_contract_with_every_stream_held(tmp_path):
     tag = uuid.uuid4().hex
     nginx_before = _nginx_pids()
     # --together: edge and traced at once, the streams alternating between them.
-    # batched (the edge with --decode-calls batched) is left out to keep make test within
-    # its time; tests/edge/test_batched.py and tests/e2e run that path.
-    paths = [p for p in PATHS if p != "batched"]
+    # per_request (the edge with a Generate call per stream) is left out to keep make test
+    # within its time; tests/edge/test_migration.py and the stock-engine interop run it.
+    paths = [p for p in PATHS if p != "per_request"]
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "bench", "edge", "--smoke",
                              "--together", "--paths", ",".join(paths), "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, TAG: tag, "TMPDIR": str(tmp_path)})
@@ -60,7 +60,7 @@ def test_smoke_prints_the_contract_with_every_stream_held(tmp_path):
     assert result["streams"] == 20 and result["rate"] == 20 and result["duration"] == 2
     assert 0 < result["edge_rss_mib"] < 4096
     assert result["settings"]["together"] is True
-    assert "batched" not in result
+    assert "per_request" not in result
     for name in paths:
         s = result[name]
         streams = 10 if name in ("edge", "traced") else 20

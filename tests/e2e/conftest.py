@@ -118,9 +118,8 @@ def stack(model_dir, reference) -> Stack:
                             # on the P/D path even when the decode worker holds them or the
                             # prefill worker is busy (placement has tests of its own).
                             "--local-cached-fraction", "1", "--prefill-saturated", "0",
-                            # The suite's stack reads decode tokens on batched calls (off by
-                            # default: tests/e2e/test_batched_decode.py); `pdserve up`'s own
-                            # default, a call per leg, runs in the decode-pool and chaos stacks.
+                            # Batched decode calls (the default, named here because
+                            # tests/e2e/test_batched_decode.py checks them on this stack).
                             "--decode-calls", "batched"),
                 env=tracing, name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),

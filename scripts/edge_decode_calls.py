@@ -1,0 +1,70 @@
+"""Per-request against batched decode calls at a low rate, paired: two edges, one with
+each `--decode-calls`, on one router and one pair of real workers; the same chat
+workload goes through each in turn, `--reps` times in alternating order, and each
+edge process's own CPU per request is read (the router and workers are shared, so
+only the edges can differ). Prints one JSON object.
+
+    .venv/bin/python scripts/edge_decode_calls.py --reps 4 --requests 30 --rate 1
+
+`--stack-edge` says which mode the `pdserve up` edge runs (the other edge is
+started beside it), to tell the mode from which edge came first.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import psutil
+
+from pdserve.bench.deployments import Hardware, PdserveStack, _Children, free_port, gateway_pids
+from pdserve.bench.gateways import _runs
+
+MODES = ("per-request", "batched")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--requests", type=int, default=30, help="per rep and edge")
+    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--stack-edge", choices=MODES, default="per-request")
+    p.add_argument("--model", default="models/tiny-llama")
+    a = p.parse_args()
+    model = os.path.abspath(a.model)
+    other = MODES[1 - MODES.index(a.stack_edge)]
+    hw = Hardware(units=tuple(sorted(os.sched_getaffinity(0))))
+    # Every prompt prefilled remotely, as in `pdserve bench gateways`.
+    stack = PdserveStack("decode-calls", model, 0, hw,
+                         placement=("--prefill-saturated", "0", "--decode-calls", a.stack_edge))
+    beside = _Children("edge-beside")
+    try:
+        first = stack.start()[0]
+        edge = [pid for pid in gateway_pids(stack.up_pid)
+                if "edge" in psutil.Process(pid).cmdline()]
+        port = free_port()
+        beside.start([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "edge",
+                      "--port", str(port), "--grpc-port", str(free_port()),
+                      "--router", f"127.0.0.1:{stack.ports['router']}", "--model", model,
+                      "--max-model-len", str(hw.max_model_len), "--decode-calls", other], {})
+        second = f"http://127.0.0.1:{port}"
+        beside.wait_healthy([second + "/health"])
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        edges = {a.stack_edge: ([first], edge), other: ([second], [beside.procs[0][0].pid])}
+        res = asyncio.run(_runs(edges, model, tokenizer, a.requests, a.rate, a.reps, 0))
+    finally:
+        beside.stop()
+        stack.stop()
+    cpu = {m: res[m]["gateway_cpu_ms_per_request"] for m in MODES}
+    print(json.dumps({"stack_edge": a.stack_edge, "rate": a.rate, "requests": a.requests,
+                      "reps": a.reps, "edges": res,
+                      "edge_cpu_batched_over_per_request":
+                          round(cpu["batched"] / cpu["per-request"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
