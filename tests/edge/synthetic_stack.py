@@ -16,7 +16,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
 from pdserve.v1 import inference_pb2_grpc, router_pb2_grpc
-from services.edge.app import METRICS, STREAMS, build_app
+from services.edge.app import ADMISSION, METRICS, STREAMS, build_app
 from services.edge.inference import InferenceService
 from services.edge.orchestrator import Orchestrator
 from services.edge.server import resilience
@@ -49,6 +49,18 @@ class EdgeStack:
     @property
     def metrics(self):
         return self.app[METRICS]
+
+    @property
+    def admission(self):
+        return self.app[ADMISSION]
+
+    async def until(self, condition, timeout: float = 10.0) -> None:
+        """Wait for `condition()` to hold (a reading the edge takes in the background);
+        fail after `timeout` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, f"not within {timeout} s"
+            await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager

@@ -254,15 +254,14 @@ def test_pool_capacity_counts_serving_decode_workers_with_kv_room():
 async def test_the_edge_queues_past_the_engines_capacity_and_sheds_past_the_queue(model_dir):
     async with edge_stack(model_dir, rate=100.0, capacity=2, admission_queue=2,
                           admission_wait_seconds=10.0) as stack:
-        await asyncio.sleep(0.6)                     # the router has read the capacity
+        await stack.until(lambda: stack.admission.capacity == 2)   # read from the router
         async with aiohttp.ClientSession() as http:
             running = [await http.post(f"{stack.url}/v1/completions", json=stack.body(2000))
                        for _ in range(2)]
             await asyncio.sleep(0.6)
             queued = [asyncio.create_task(http.post(f"{stack.url}/v1/completions",
                                                     json=stack.body(5))) for _ in range(2)]
-            await asyncio.sleep(0.3)
-            assert stack.metrics.queue_length._value.get() == 2
+            await stack.until(lambda: stack.metrics.queue_length._value.get() == 2)
             started = time.perf_counter()
             async with http.post(f"{stack.url}/v1/completions", json=stack.body(5)) as r:
                 took = time.perf_counter() - started
@@ -287,7 +286,7 @@ async def test_inference_grpc_gets_resource_exhausted_when_shed(model_dir):
     from pdserve.v1 import inference_pb2, inference_pb2_grpc
     async with edge_stack(model_dir, rate=100.0, capacity=1, admission_queue=1,
                           admission_wait_seconds=10.0) as stack:
-        await asyncio.sleep(0.6)
+        await stack.until(lambda: stack.admission.capacity == 1)
         async with grpc.aio.insecure_channel(stack.inference) as ch:
             api = inference_pb2_grpc.InferenceStub(ch)
             req = inference_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(
