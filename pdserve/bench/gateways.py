@@ -1,9 +1,10 @@
 """`pdserve bench gateways`: pdserve's edge and SMG in front of the same workers.
 
 One `pdserve up` (every prompt prefilled remotely) and one SMG
-(`smg launch --pd-disaggregation`) over its prefill and decode workers. The same
+(`smg launch --pd-disaggregation`) over its prefill and decode workers. The same kind of
 chat workload goes through each gateway in turn, `reps` times, alternating the
-order, so both see the same workers, engines and machine state. Reports vLLM's
+order, so both see the same workers, engines and machine state; every gateway and
+rep gets prompts of its own (none is in an engine's prefix cache). Reports vLLM's
 TTFT / TPOT / ITL figures and the CPU seconds the gateway processes spent per
 request (pdserve: edge + router; SMG: its router process).
 """
@@ -23,10 +24,14 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
            for name in gateways}
     for name, (urls, _) in gateways.items():
         await warm_up(urls, model, chat=True)
+    names = list(gateways)
     for rep in range(reps):
-        order = list(gateways) if rep % 2 == 0 else list(reversed(gateways))
-        workload = random_1024(tokenizer, n, seed + rep)
+        order = names if rep % 2 == 0 else list(reversed(names))
         for name in order:
+            # NOTE: prompts of their own for every gateway and rep. The engines cache
+            # prefixes: the same prompts again would be prefilled from the first
+            # gateway's cache, and whichever went second would measure cache hits.
+            workload = random_1024(tokenizer, n, seed + rep * len(names) + names.index(name))
             urls, pids = gateways[name]
             progress(f"{name}: rep {rep + 1}/{reps}, {n} requests at {rate}/s")
             cpu = cpu_seconds(pids)
