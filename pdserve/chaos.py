@@ -47,7 +47,7 @@ from pdserve.config import EdgeConfig
 _FAULTS = ("kill", "stop", "term", "edge")
 # Deadlines tight enough that a fault is seen in about a second here.
 EDGE_FLAGS = ("--decode-stall-seconds", "1.5", "--decode-first-token-seconds", "10",
-               "--prefill-timeout-seconds", "5", "--max-migrations", "5")
+              "--prefill-timeout-seconds", "5", "--max-migrations", "5")
 _ROUTER_FLAGS = ("--local-cached-fraction", "1", "--prefill-saturated", "0")
 
 

@@ -51,8 +51,9 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
 
 def measure(gateways: dict[str, tuple[list[str], list[int]]], model: str, n: int,
             rate: float, reps: int, seed: int) -> dict:
-    """The same workload through each running gateway (name -> (urls, the PIDs of its
-    processes)), `reps` times in alternating order; the result object."""
+    """The workload through each running gateway (name -> (urls, the PIDs of its
+    processes)), `reps` times in alternating order, prompts of its own each time; the
+    result object."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
     res = asyncio.run(_runs(gateways, model, tokenizer, n, rate, reps, seed))
