@@ -30,6 +30,8 @@ class CollectedSpan:
     kind: int
     status: int                         # 0 unset, 1 ok, 2 error
     attributes: dict = field(default_factory=dict)
+    start_ns: int = 0                   # the span's start and end (Unix epoch, ns)
+    end_ns: int = 0
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -85,7 +87,8 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                         service=service, name=s.name, trace_id=s.trace_id.hex(),
                         span_id=s.span_id.hex(), parent_id=s.parent_span_id.hex(),
                         kind=s.kind, status=s.status.code,
-                        attributes={a.key: _value(a.value) for a in s.attributes}))
+                        attributes={a.key: _value(a.value) for a in s.attributes},
+                        start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano))
         with self._lock:
             self.spans.extend(got)
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -81,6 +81,10 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     assert http.parent_id == client_span
     gen = one("pdserve-edge", generation, parent=http)
     steps = {name: one("pdserve-edge", name, parent=gen) for name in _EDGE_STEPS}
+    # The steps run in turn inside the generation, by the spans' own times.
+    r, p, d = steps["route"], steps["prefill"], steps["decode"]
+    assert (0 < gen.start_ns <= r.start_ns <= r.end_ns <= p.start_ns <= p.end_ns <= d.start_ns
+            <= d.end_ns <= gen.end_ns), [(s.name, s.start_ns, s.end_ns) for s in (gen, r, p, d)]
     # Each step's gRPC call, and the server span it continues in the other process (the
     # token streams carry their step's own context: no client span of their own).
     one("pdserve-router", route_call,

@@ -1,0 +1,63 @@
+"""Where a cold request's time goes, from the services' own spans: one `pdserve up`
+(1 prefill + 1 decode, every prompt prefilled remotely, tracing on into an
+in-process OTLP collector), `--requests` random 1,024-token chat prompts at
+`--rate`, none cached; prints the clients' TTFT and each span's median duration
+per service.
+
+    .venv/bin/python scripts/ttft_spans.py --requests 20 --rate 1
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import statistics
+import time
+
+from pdserve.bench.deployments import Hardware, PdserveStack
+from pdserve.bench.load import run, warm_up
+from pdserve.bench.otlp_collector import Collector
+from pdserve.bench.workloads import random_1024
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--model", default="models/tiny-llama")
+    a = p.parse_args()
+    model = os.path.abspath(a.model)
+    collector = Collector()
+    # The stack's processes inherit this environment: the standard OTEL_* variables.
+    os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": collector.http_endpoint,
+                       "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                       "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    stack = PdserveStack("ttft-spans", model, 0, Hardware(units=tuple(sorted(
+        os.sched_getaffinity(0)))), placement=("--prefill-saturated", "0"))
+    try:
+        urls = stack.start()
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model)
+
+        async def measured():
+            await warm_up(urls, model, chat=True)
+            return await run(random_1024(tokenizer, a.requests, 777), urls, model, a.rate, 0,
+                             chat=True)
+        result = asyncio.run(measured())
+        time.sleep(2)                               # the exporters' last batches
+    finally:
+        stack.stop()
+        collector.stop()
+    ttfts = sorted(1000 * o.ttft for o in result.outputs if o.success)
+    print(f"TTFT p50 {statistics.median(ttfts):.1f} ms over {len(ttfts)} requests")
+    durations = collections.defaultdict(list)
+    for s in collector.spans:
+        durations[(s.service, s.name)].append((s.end_ns - s.start_ns) / 1e6)
+    for (service, name), ms in sorted(durations.items()):
+        print(f"{service:>16}  {name:<45} n={len(ms):3}  p50 {statistics.median(ms):9.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
