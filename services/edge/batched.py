@@ -33,8 +33,10 @@ from pdserve.v1 import batched_pb2, batched_pb2_grpc
 log = logging.getLogger("pdserve.edge")
 
 SERVICE_NAME = batched_pb2.DESCRIPTOR.services_by_name["BatchedGenerate"].full_name
-# Legs open on a worker before new ones share its call: at 1 request/s a shared call
-# cost the edge 55 ms of CPU per request against 41 for a call each (bench gateways).
+# Legs open on a worker before new ones share its call: alone, a call of its own is one
+# hop less. (A shared call for every leg read 55 ms of edge CPU per request against 41 at
+# 1 request/s, in runs one after another; paired, with this threshold, the two modes
+# measured the same: bench/README.md.)
 BATCH_FROM = 4
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _CANCELLED = object()                           # ended by cancel() on this side

@@ -57,13 +57,10 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     generation = f"chat {stack.model}"
     route_call, engine_call = "/pdserve.v1.Router/Route", "/vllm.grpc.engine.VllmEngine/Generate"
     claim_call = "/pdserve.v1.KVTransfer/Claim"
-    # The suite's stack runs batched decode calls, but a lone leg gets a Generate call of
-    # its own (services/edge/batched.py); shared calls' spans: test_batched_decode.py.
-    decode_call = engine_call
     spans = stack.traces.wait_for(trace_id, {
         *(("pdserve-edge", name) for name in (generation, route_call, *_EDGE_STEPS)),
         ("pdserve-router", route_call), ("pdserve-prefill", engine_call),
-        ("pdserve-decode", decode_call), ("pdserve-decode", "kv_transfer"),
+        ("pdserve-decode", engine_call), ("pdserve-decode", "kv_transfer"),
         ("pdserve-decode", claim_call), ("pdserve-prefill", claim_call),
         ("pdserve-edge", "POST /v1/chat/completions")})
     by_id = {s.span_id: s for s in spans}
@@ -90,7 +87,9 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     one("pdserve-router", route_call,
         parent=one("pdserve-edge", route_call, parent=steps["route"]))
     one("pdserve-prefill", engine_call, parent=steps["prefill"])
-    decode = one("pdserve-decode", decode_call, parent=steps["decode"])
+    # A lone leg gets a Generate call of its own, batched decode calls or not
+    # (services/edge/batched.py); shared calls' spans: test_batched_decode.py.
+    decode = one("pdserve-decode", engine_call, parent=steps["decode"])
     # The KV handover on the decode worker: its lease claim reaches the prefill worker.
     transfer = one("pdserve-decode", "kv_transfer", parent=decode)
     one("pdserve-prefill", claim_call, parent=one("pdserve-decode", claim_call, parent=transfer))

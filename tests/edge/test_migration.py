@@ -92,7 +92,8 @@ async def test_a_dead_decode_worker_hands_the_stream_on(model_dir, decode_calls)
 
 
 async def test_a_stalled_decode_worker_is_left_within_its_deadline(model_dir, decode_calls):
-    async with edge_stack(model_dir, decode_calls=decode_calls, rate=50.0, engines=2, decode_stall_seconds=0.5) as stack:
+    async with edge_stack(model_dir, decode_calls=decode_calls,
+                          rate=50.0, engines=2, decode_stall_seconds=0.5) as stack:
         async def freeze(i):
             stack.engines[i][0].freeze()           # calls stay open, nothing is sent
         events, frozen, at = await _stream_with_fault(stack, freeze)
@@ -105,7 +106,8 @@ async def test_a_stalled_decode_worker_is_left_within_its_deadline(model_dir, de
 
 
 async def test_moves_are_bounded(model_dir, decode_calls):
-    async with edge_stack(model_dir, decode_calls=decode_calls, rate=50.0, engines=2, max_migrations=0) as stack:
+    async with edge_stack(model_dir, decode_calls=decode_calls,
+                          rate=50.0, engines=2, max_migrations=0) as stack:
         async def kill(i):
             await stack.engines[i][1].stop(0)
         events, _, _ = await _stream_with_fault(stack, kill)
@@ -138,7 +140,8 @@ async def test_the_request_budget_ends_it_everywhere(model_dir, decode_calls):
                 assert (await r.json())["error"]["param"] == "x-pdserve-timeout-ms"
 
 
-async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(model_dir, decode_calls):
+async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(model_dir,
+                                                                                decode_calls):
     """An overloaded edge reads some streams seconds late. A leg it has not read for
     longer than the stall deadline, on a worker whose other legs keep talking, is the
     edge's delay, not a stall: it must not be moved (or cut short)."""
@@ -146,7 +149,8 @@ async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(
     from services.edge.app import ORCH
     from services.edge.generation import Generation
 
-    async with edge_stack(model_dir, decode_calls=decode_calls, rate=50.0, decode_stall_seconds=0.3) as stack:
+    async with edge_stack(model_dir, decode_calls=decode_calls,
+                          rate=50.0, decode_stall_seconds=0.3) as stack:
         orch = stack.app[ORCH]
 
         async def start(rid: str, max_tokens: int):
