@@ -26,7 +26,9 @@ Every request is a streamed completion (~64-token prompt, `max_tokens` with
    RSS (sampled), its queue wait and rejections (its /metrics), and the decode
    engine's peak running/waiting requests (real backend);
 3. fairness: `steady` alone at 0.3R, then with `burst` at 10x that (3R), with
-   admission and without: steady's TTFT p99 against its value alone.
+   admission and without, each for `fairness_duration` (longer than the overload
+   phases: steady's p99 needs several hundred of its requests to settle): steady's
+   TTFT p99 against its value alone.
 
 Only the result goes to stdout; progress goes to stderr.
 """
@@ -63,7 +65,9 @@ class Settings:
     """One run of the benchmark."""
 
     backend: str = "real"           # "real" | "synthetic"
-    duration: float = 30.0          # seconds of arrivals per open-loop phase
+    duration: float = 30.0          # seconds of arrivals per overload phase
+    fairness_duration: float = 90.0 # ... per fairness phase (~0.3R x 90 s = ~500 steady
+                                    # requests: their p99 is the ~5th-worst, not the 2nd)
     capacity_seconds: float = 20.0  # the closed loop that measures R
     max_num_seqs: int = 4           # the decode engine's capacity
     prompt_tokens: int = 64
@@ -88,11 +92,12 @@ class Settings:
 
     @property
     def request_timeout(self) -> float:
-        return self.timeout or 3 * self.overload * self.duration + 60
+        return self.timeout or (3 * self.overload
+                                * max(self.duration, self.fairness_duration) + 60)
 
 
-SMOKE = Settings(backend="synthetic", duration=1.5, capacity_seconds=1.0, timeout=30.0,
-                 settle=1.0)
+SMOKE = Settings(backend="synthetic", duration=1.5, fairness_duration=1.5,
+                 capacity_seconds=1.0, timeout=30.0, settle=1.0)
 
 
 # --- the synthetic engine (`python -m pdserve.bench.admission ...`) ---------------------
@@ -251,6 +256,7 @@ class Outcome:
     done: bool = False              # data: [DONE]
     finish: str = ""
     retry_after: bool = False
+    queue: float | None = None      # the edge's x-pdserve-queue-ms, in seconds
     error: str = ""
 
 
@@ -263,6 +269,8 @@ async def _request(http, url: str, tenant: str, body: dict) -> Outcome:
         async with http.post(f"{url}/v1/completions", json=body,
                              headers={"Authorization": f"Bearer {TENANTS[tenant]}"}) as r:
             o.status, o.headers_at = r.status, time.perf_counter() - start
+            if "x-pdserve-queue-ms" in r.headers:
+                o.queue = float(r.headers["x-pdserve-queue-ms"]) / 1000
             if r.status != 200:
                 o.retry_after = "Retry-After" in r.headers
                 await r.read()
@@ -491,6 +499,10 @@ def figures(outs: list[Outcome], st: Settings, slo: dict | None = None) -> dict:
            "ttft_ms": _dist([o.ttft * 1000 for o in done]), "tpot_ms": _dist(tpot),
            "e2e_ms": _dist([o.e2e * 1000 for o in done]),
            "rejection_ms": _dist([o.headers_at * 1000 for o in rejected])}
+    queued = [o for o in done if o.queue is not None]
+    if queued:      # TTFT = the wait for room in the pool + the rest (route, prefill, ...)
+        out["queue_ms"] = _dist([o.queue * 1000 for o in queued])
+        out["ttft_after_queue_ms"] = _dist([(o.ttft - o.queue) * 1000 for o in queued])
     out["lost"]["total"] = sum(out["lost"].values())
     if slo:
         within = sum(o.ttft * 1000 <= slo["ttft_p99_ms"] and t <= slo["tpot_p99_ms"]
@@ -524,14 +536,15 @@ class _Runner:
         self.st, self.stack, self.load = st, stack, load
         self.seed = st.seed
 
-    def open(self, name: str, rates: dict[str, float], slo: dict | None) -> dict:
+    def open(self, name: str, rates: dict[str, float], slo: dict | None,
+             seconds: float) -> dict:
         progress(f"{name}: " + ", ".join(f"{t} {r:.2f} req/s" for t, r in rates.items())
-                 + f" for {self.st.duration:g} s")
+                 + f" for {seconds:g} s")
         before = _scrape(self.stack.urls)
         self.seed += 1
         t0 = time.perf_counter()
         with _Watch(self.stack.edge_pid(), self.stack.engine_metrics) as watch:
-            outs = asyncio.run(self.load.open(rates, self.st.duration, self.seed))
+            outs = asyncio.run(self.load.open(rates, seconds, self.seed))
         after = _scrape(self.stack.urls)
         wall = time.perf_counter() - t0
         run = {"rates_rps": {t: round(r, 2) for t, r in rates.items()},
@@ -611,18 +624,21 @@ def bench_admission(st: Settings, model: str) -> dict:
                                    "steady": round(st.steady_share * rate, 3),
                                    "burst": round(st.steady_share * st.burst_factor * rate, 3)}
             overload["no_admission"] = r.open("overload, no admission",
-                                              {"burst": st.overload * rate}, slo)
+                                              {"burst": st.overload * rate}, slo, st.duration)
             fairness["with_burst_no_admission"] = r.open(
-                "fairness, steady + burst, no admission", _pair(st, rate), slo)
+                "fairness, steady + burst, no admission", _pair(st, rate), slo,
+                st.fairness_duration)
 
         def admitted(r: _Runner) -> None:
             rate, slo = result["rates_rps"]["R"], result["slo"]
             overload["admission"] = r.open("overload, admission",
-                                           {"burst": st.overload * rate}, slo)
+                                           {"burst": st.overload * rate}, slo, st.duration)
             fairness["steady_alone"] = r.open("fairness, steady alone",
-                                              {"steady": st.steady_share * rate}, slo)
+                                              {"steady": st.steady_share * rate}, slo,
+                                              st.fairness_duration)
             fairness["with_burst_admission"] = r.open("fairness, steady + burst, admission",
-                                                      _pair(st, rate), slo)
+                                                      _pair(st, rate), slo,
+                                                      st.fairness_duration)
 
         _with_stack(st, model, keys_file, False, baseline)
         wait = st.wait or result["slo"]["queue_allowance_s"]

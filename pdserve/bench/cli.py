@@ -10,7 +10,7 @@
                        [--duration S] [--json]      nginx, through pdserve's edge
     pdserve bench admission [--smoke] [--json]      3x overload and a tenant bursting at 10x,
                   [--backend B] [--duration S]      with admission control and without
-                  [--edges N]
+                  [--fairness-duration S] [--edges N]
 """
 from __future__ import annotations
 
@@ -315,7 +315,9 @@ def _admission(argv: list[str]) -> int:
                    help="real: pdserve up with the tiny model (default); synthetic: the "
                         "edge and router in front of a synthetic engine (seconds)")
     p.add_argument("--duration", type=float, default=0.0,
-                   help="seconds of arrivals per open-loop phase (default 30; smoke 3)")
+                   help="seconds of arrivals per overload phase (default 30; smoke 1.5)")
+    p.add_argument("--fairness-duration", type=float, default=0.0,
+                   help="seconds of arrivals per fairness phase (default 90; smoke 1.5)")
     p.add_argument("--max-num-seqs", type=int, default=Settings().max_num_seqs,
                    help="the decode engine's capacity")
     p.add_argument("--edges", type=int, default=1,
@@ -329,9 +331,11 @@ def _admission(argv: list[str]) -> int:
     a = p.parse_args(argv)
     st = SMOKE if a.smoke else Settings()
     st = replace(st, backend=a.backend or st.backend, duration=a.duration or st.duration,
+                 fairness_duration=a.fairness_duration or st.fairness_duration,
                  max_num_seqs=a.max_num_seqs, seed=a.seed, edges=a.edges)
-    if st.duration <= 0 or st.max_num_seqs < 1 or st.edges < 1:
-        print("pdserve bench admission: --duration, --max-num-seqs and --edges must be > 0",
+    if min(st.duration, st.fairness_duration) <= 0 or st.max_num_seqs < 1 or st.edges < 1:
+        print("pdserve bench admission: --duration, --fairness-duration, --max-num-seqs "
+              "and --edges must be > 0",
               file=sys.stderr)
         return 2
     if st.edges > 1 and st.backend != "synthetic":

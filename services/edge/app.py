@@ -55,6 +55,7 @@ ADMISSION = web.AppKey("admission", Admission)
 STREAM_ID = "x-pdserve-stream-id"
 STREAM_TOKEN = "x-pdserve-stream-token"    # reads that stream without the key (keys.py)
 TIMEOUT_HEADER = "x-pdserve-timeout-ms"
+QUEUE_HEADER = "x-pdserve-queue-ms"         # how long admission held the request back
 POOL_READ_SECONDS = (1.0, 0.1)      # admission's readings: a lone idle edge; shared or waiting
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -221,6 +222,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
     # still turn a disaggregated request local (see GenerationStream._first_chunk).
     headers = {"x-pdserve-placement": stream.stats["placement"],
                "x-pdserve-worker": stream.decode_worker, "x-request-id": rid,
+               QUEUE_HEADER: f"{stream.stats['ticket'].waited * 1000:.1f}",
                **stream.stats["rate_headers"]}
     if req.stream:
         return await _stream_response(request, _ENDPOINT[kind],

@@ -33,7 +33,7 @@ def _left_behind(tag: str) -> list[str]:
 def test_smoke_sheds_with_admission_and_loses_nothing(tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "admission", "--smoke",
-                           "--edges", "2", "--json"], cwd=ROOT, capture_output=True, text=True,
+                           "--edges", "2", "--fairness-duration", "2.5", "--json"], cwd=ROOT, capture_output=True, text=True,
                           timeout=100,
                           env={**os.environ, TAG: tag, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,6 +41,9 @@ def test_smoke_sheds_with_admission_and_loses_nothing(tmp_path):
     assert {"settings", "capacity", "slo", "rates_rps", "overload", "fairness", "targets",
             "command"} <= set(result)
     assert result["settings"]["backend"] == "synthetic" and result["settings"]["edges"] == 2
+    # the fairness phases run for --fairness-duration, the overload phases for --duration
+    assert result["settings"]["fairness_duration"] == 2.5
+    assert result["fairness"]["steady_alone"]["wall_s"] >= 2.5
     assert result["capacity"]["throughput_rps"] > 0
     assert set(result["overload"]) == {"admission", "no_admission"}
     assert {"steady_alone", "with_burst_admission", "with_burst_no_admission",
@@ -54,6 +57,7 @@ def test_smoke_sheds_with_admission_and_loses_nothing(tmp_path):
     assert adm["lost"]["total"] == 0 and adm["completed"] == adm["accepted"]
     assert not adm["other_status"]
     assert adm["queue_wait"]["admitted"] >= adm["completed"]
+    assert adm["queue_ms"]["p99"] >= adm["queue_ms"]["p50"] >= 0    # from x-pdserve-queue-ms
     assert sum(adm["rejections_by_reason"].values()) == sum(adm["rejected"].values())
     assert adm["edge_rss_mib"]["peak"] > 0
     burst = result["fairness"]["with_burst_admission"]
@@ -67,7 +71,7 @@ def test_smoke_sheds_with_admission_and_loses_nothing(tmp_path):
 def test_figures_split_completed_rejected_and_lost():
     st = Settings(max_tokens=4)
     ok = Outcome("steady", status=200, headers_at=0.1, ttft=0.1, e2e=0.4, tokens=4, done=True,
-                 finish="length")
+                 finish="length", queue=0.03)
     short = Outcome("steady", status=200, headers_at=0.1, ttft=0.1, e2e=0.2, tokens=2,
                     finish="length")
     shed = Outcome("burst", status=503, headers_at=0.004, retry_after=True)
@@ -81,3 +85,5 @@ def test_figures_split_completed_rejected_and_lost():
     assert f["ttft_ms"]["p50"] == 100.0 and f["tpot_ms"]["p50"] == 100.0
     assert f["rejection_ms"]["p99"] <= 4.0
     assert f["completed_within_slo"] == 0              # TPOT 100 ms > 50 ms
+    # the edge's x-pdserve-queue-ms splits the completed request's TTFT
+    assert f["queue_ms"]["p50"] == 30.0 and f["ttft_after_queue_ms"]["p50"] == 70.0

@@ -277,7 +277,10 @@ async def test_the_edge_queues_past_the_engines_capacity_and_sheds_past_the_queu
             for t in queued:
                 resp = await asyncio.wait_for(t, 5)
                 assert resp.status == 200
+                # the response says how long admission held it back (the running ones: ~0)
+                assert float(resp.headers["x-pdserve-queue-ms"]) >= 1.0
                 await resp.read()
+            assert all(float(r.headers["x-pdserve-queue-ms"]) < 50 for r in running)
         assert stack.metrics.rejections.labels("queue_full")._value.get() == 1
 
 
