@@ -66,8 +66,8 @@ class Settings:
 
     backend: str = "real"           # "real" | "synthetic"
     duration: float = 30.0          # seconds of arrivals per overload phase
-    fairness_duration: float = 90.0 # ... per fairness phase (~0.3R x 90 s = ~500 steady
-                                    # requests: their p99 is the ~5th-worst, not the 2nd)
+    fairness_duration: float = 90.0 # ... per fairness phase (0.3R x 90 s: ~600 steady
+                                    # requests here, their p99 the ~6th-worst, not the 2nd)
     capacity_seconds: float = 20.0  # the closed loop that measures R
     max_num_seqs: int = 4           # the decode engine's capacity
     prompt_tokens: int = 64
