@@ -33,8 +33,8 @@ def _left_behind(tag: str) -> list[str]:
 def test_smoke_sheds_with_admission_and_loses_nothing(tmp_path):
     tag = uuid.uuid4().hex
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "admission", "--smoke",
-                           "--edges", "2", "--fairness-duration", "2.5", "--json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=100,
+                           "--edges", "2", "--fairness-duration", "2.5", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=100,
                           env={**os.environ, TAG: tag, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)                # stdout is the one JSON object
