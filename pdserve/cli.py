@@ -70,6 +70,18 @@ def _add_placement_flags(p: argparse.ArgumentParser) -> None:
                         "(0: off)")
 
 
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
+    """What a router is told beside its placement policy (on `router`, and on an edge
+    that runs its own: `--router embedded`)."""
+    _add_placement_flags(p)
+    p.add_argument("--worker-timeout", type=float, default=RouterConfig().worker_timeout_seconds,
+                   help="a worker silent this long is not offered requests")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
+                       help=f"a {role} engine that does not register (any server of vLLM's "
+                            f"engine protocol, e.g. `vllm serve --grpc`); repeatable")
+
+
 # The edge's admission and stream flags, which `up` passes to its edge unchanged.
 EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queue",
               "admission_wait_seconds", "drain_seconds",
@@ -161,6 +173,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int, default=50081,
                     help="edge's internal Inference gRPC API")
     up.add_argument("--router-port", type=int, default=50051)
+    up.add_argument("--router-in-edge", action=argparse.BooleanOptionalAction, default=False,
+                    help="run the router inside the edge process (no router process; workers "
+                         "register at the edge's --grpc-port; --router-port and "
+                         "--router-metrics-port unused, the router's series on the edge's "
+                         "/metrics)")
     up.add_argument("--prefill-workers", type=int, default=1, help="prefill pool size")
     up.add_argument("--decode-workers", type=int, default=1, help="decode pool size")
     up.add_argument("--prefill-port", type=int, default=50061,
@@ -193,16 +210,11 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="run the router")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
-    r.add_argument("--worker-timeout", type=float, default=6.0)
     r.add_argument("--cpus", default="", help="cores to run on (default: any)")
     r.add_argument("--metrics-port", type=int, default=0,
                    help="serve the router's pdserve:router_* metrics over HTTP on this port "
                         "(0: off)")
-    _add_placement_flags(r)
-    for role in ("prefill", "decode"):
-        r.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
-                       help=f"a {role} engine that does not register (any server of vLLM's "
-                            f"engine protocol, e.g. `vllm serve --grpc`); repeatable")
+    _add_router_flags(r)
 
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"run a {role} worker")
@@ -230,7 +242,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--host", default=_env("PDSERVE_HOST", "127.0.0.1"))
     e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
     e.add_argument("--grpc-port", type=int, default=50081, help="internal Inference gRPC API")
-    e.add_argument("--router", default="127.0.0.1:50051")
+    e.add_argument("--router", default="127.0.0.1:50051",
+                   help="the router's HOST:PORT, or `embedded`: run it in this process "
+                        "(workers then register at this edge's --grpc-port; the placement "
+                        "flags below apply)")
     e.add_argument("--model", default=_env("PDSERVE_MODEL", ""))
     e.add_argument("--served-model-name", default="")
     e.add_argument("--max-model-len", type=int, default=2048)
@@ -238,6 +253,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--min-decode-workers", type=int, default=1)
     e.add_argument("--cpus", default="", help="cores to run on (default: any)")
     _add_edge_flags(e)
+    _add_router_flags(e)
 
     b = sub.add_parser("build-model", help="build the tiny offline model if absent")
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
@@ -299,18 +315,21 @@ def _run(coro) -> None:
     uvloop.run(coro)
 
 
+def _router_config(a: argparse.Namespace, port: int, metrics_port: int) -> RouterConfig:
+    return RouterConfig(host=a.host, port=port,
+                        local_prefill_below_tokens=a.local_prefill_below,
+                        worker_timeout_seconds=a.worker_timeout, balance=a.balance,
+                        balance_slack=a.balance_slack,
+                        local_cached_fraction=a.local_cached_fraction,
+                        prefill_saturated=a.prefill_saturated, metrics_port=metrics_port,
+                        static_workers=tuple([("prefill", w) for w in a.prefill_worker]
+                                             + [("decode", w) for w in a.decode_worker]))
+
+
 def _config(a: argparse.Namespace):
     """The validated config for `a.command` (raises ValueError naming the field)."""
     if a.command == "router":
-        return RouterConfig(host=a.host, port=a.port,
-                            local_prefill_below_tokens=a.local_prefill_below,
-                            worker_timeout_seconds=a.worker_timeout, balance=a.balance,
-                            balance_slack=a.balance_slack,
-                            local_cached_fraction=a.local_cached_fraction,
-                            prefill_saturated=a.prefill_saturated,
-                            metrics_port=a.metrics_port,
-                            static_workers=tuple([("prefill", w) for w in a.prefill_worker]
-                                                 + [("decode", w) for w in a.decode_worker]))
+        return _router_config(a, a.port, a.metrics_port)
     if a.command in ("prefill", "decode"):
         return WorkerConfig(role=a.command, engine=_engine_config(a),
                             # NIXL's handshake stays on vLLM's side channel, bound to the
@@ -327,6 +346,8 @@ def _config(a: argparse.Namespace):
         return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,
                           host=a.host, port=a.port, grpc_port=a.grpc_port, router=a.router,
+                          embedded_router=(_router_config(a, a.grpc_port, 0)
+                                           if a.router == "embedded" else None),
                           min_prefill_workers=a.min_prefill_workers,
                           min_decode_workers=a.min_decode_workers,
                           **{name: getattr(a, name) for name in EDGE_FLAGS})

@@ -87,7 +87,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     side-channel port --kv-port + k and metrics port --worker-metrics-port + k."""
     me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level,
           "--log-format", a.log_format]
-    router = f"127.0.0.1:{a.router_port}"
+    # --router-in-edge: no router process; the edge places and workers register there.
+    router = f"127.0.0.1:{a.grpc_port if a.router_in_edge else a.router_port}"
     units = _placement(a, eng)
     workers = []
     for role, first_port in (("prefill", a.prefill_port), ("decode", a.decode_port)):
@@ -112,17 +113,20 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     gateway_pin = ["--cpus", a.gateway_cpus] if a.gateway_cpus else []
     router_metrics = (["--metrics-port", str(a.router_metrics_port)]
                       if a.router_metrics_port else [])
+    edge = ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
+                          "--grpc-port", str(a.grpc_port),
+                          "--router", "embedded" if a.router_in_edge else router,
+                          "--model", eng.model, "--served-model-name", eng.name,
+                          "--max-model-len", str(eng.max_model_len),
+                          "--min-prefill-workers", str(a.prefill_workers),
+                          "--min-decode-workers", str(a.decode_workers)] + streams
+            + (placement if a.router_in_edge else []) + gateway_pin, {})
+    if a.router_in_edge:
+        return [*workers, edge]
     return [("router", me + ["router", "--port", str(a.router_port)] + gateway_pin + placement
              + router_metrics,
              {}),
-            *workers,
-            ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
-                           "--grpc-port", str(a.grpc_port), "--router", router,
-                           "--model", eng.model, "--served-model-name", eng.name,
-                           "--max-model-len", str(eng.max_model_len),
-                           "--min-prefill-workers", str(a.prefill_workers),
-                           "--min-decode-workers", str(a.decode_workers)] + streams
-             + gateway_pin, {})]
+            *workers, edge]
 
 
 def healthy(url: str) -> bool:
@@ -265,7 +269,9 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
             children.watch(time.monotonic())
             if not ready and healthy(health):
                 ready = True
-                print(f"pdserve ready: http://{a.host}:{a.port} (router 127.0.0.1:{a.router_port},"
+                where = (f"in the edge, :{a.grpc_port}" if a.router_in_edge
+                         else f"127.0.0.1:{a.router_port}")
+                print(f"pdserve ready: http://{a.host}:{a.port} (router {where},"
                       f" {a.prefill_workers} prefill from :{a.prefill_port}, {a.decode_workers}"
                       f" decode from :{a.decode_port}, model {eng.name})", flush=True)
             if not ready and time.monotonic() > ready_by:

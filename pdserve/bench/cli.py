@@ -151,6 +151,9 @@ def _gateways(argv: list[str]) -> int:
     p.add_argument("--rate", type=float, default=1.0)
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router-in-edge", action="store_true",
+                   help="a third gateway over the same workers: a pdserve edge running its "
+                        "router in-process (`edge --router embedded`)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.requests < 1 or a.reps < 1 or a.rate <= 0:
@@ -159,16 +162,17 @@ def _gateways(argv: list[str]) -> int:
     model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
     hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
     with contextlib.redirect_stdout(sys.stderr):
-        result = compare_gateways(model, a.requests, a.rate, a.reps, a.seed, hw)
+        result = compare_gateways(model, a.requests, a.rate, a.reps, a.seed, hw,
+                                  router_in_edge=a.router_in_edge)
     if a.json:
         print(json.dumps(result))
         return 0
     keys = ["ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
             "gateway_cpu_ms_per_request", "completed", "failed"]
     print(result["workload"])
-    print(f"{'gateway':<10}" + "".join(f"{k:>28}" for k in keys))
+    print(f"{'gateway':<24}" + "".join(f"{k:>28}" for k in keys))
     for name, r in result["gateways"].items():
-        print(f"{name:<10}" + "".join(f"{r[k]:>28}" for k in keys))
+        print(f"{name:<24}" + "".join(f"{r[k]:>28}" for k in keys))
     for k, v in {**result["ratios"], **result["targets"]}.items():
         print(f"  {k} = {v}")
     return 0

@@ -294,6 +294,38 @@ class StockVllm:
         self.children.stop()
 
 
+class EmbeddedEdge:
+    """A second pdserve edge with its router inside (`pdserve edge --router embedded`),
+    in front of already-running workers, which it probes as static engines: so that
+    the two ways of running pdserve's gateway are measured over the same workers."""
+
+    def __init__(self, label: str, model: str, prefill: list[str], decode: list[str],
+                 max_model_len: int):
+        self.label = label
+        self.children = _Children(label)
+        self.args = [f"--prefill-worker={a}" for a in prefill] + [
+            f"--decode-worker={a}" for a in decode] + [
+            "--model", model, "--max-model-len", str(max_model_len),
+            # Every prompt prefilled remotely, as the stack's router is told for comparisons.
+            "--local-prefill-below", "0", "--prefill-saturated", "0",
+            "--min-prefill-workers", str(len(prefill)), "--min-decode-workers", str(len(decode))]
+
+    def start(self) -> list[str]:
+        port = free_port()
+        self.children.start([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING",
+                             "edge", "--router", "embedded", "--port", str(port),
+                             "--grpc-port", str(free_port()), *self.args], {})
+        urls = [f"http://127.0.0.1:{port}"]
+        self.children.wait_healthy([u + "/health" for u in urls])
+        return urls
+
+    def pids(self) -> list[int]:
+        return [p.pid for p, _ in self.children.procs]
+
+    def stop(self) -> None:
+        self.children.stop()
+
+
 class SmgGateway:
     """The Shepherd Model Gateway (`smg launch --pd-disaggregation`) in front of
     already-running prefill and decode workers, over vLLM's engine protocol."""

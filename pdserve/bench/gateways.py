@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 
-from .deployments import Hardware, PdserveStack, SmgGateway, cpu_seconds
+from .deployments import EmbeddedEdge, Hardware, PdserveStack, SmgGateway, cpu_seconds
 from .load import RunResult, latency_figures, metrics, progress, run, warm_up
 from .workloads import random_1024
 
@@ -58,10 +58,10 @@ def measure(gateways: dict[str, tuple[list[str], list[int]]], model: str, n: int
     tokenizer = AutoTokenizer.from_pretrained(model)
     res = asyncio.run(_runs(gateways, model, tokenizer, n, rate, reps, seed))
     a, b = res["pdserve"], res["smg"]
-    ratio = lambda k: round(a[k] / b[k], 3) if b[k] else None  # noqa: E731
-    ratios = {f"{k}_pdserve_over_smg": ratio(k) for k in
-              ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms",
-               "gateway_cpu_ms_per_request")}
+    ratios = {f"{k}_{name}_over_smg": round(res[name][k] / b[k], 3) if b[k] else None
+              for name in res if name != "smg"
+              for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms",
+                        "gateway_cpu_ms_per_request")}
     targets = {"ttft_p50_le_smg": a["ttft_p50_ms"] <= b["ttft_p50_ms"],
                "ttft_p99_le_smg": a["ttft_p99_ms"] <= b["ttft_p99_ms"],
                "tpot_le_1.05x_smg": a["tpot_p50_ms"] <= 1.05 * b["tpot_p50_ms"],
@@ -73,22 +73,28 @@ def measure(gateways: dict[str, tuple[list[str], list[int]]], model: str, n: int
 
 
 def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
-                     hw: Hardware) -> dict:
-    """Start the stack and SMG, measure both, stop both; the result object."""
+                     hw: Hardware, router_in_edge: bool = False) -> dict:
+    """Start the stack and SMG, measure both, stop both; the result object.
+    `router_in_edge`: a third gateway, `pdserve_router_in_edge`, a pdserve edge running
+    its router in-process in front of the same workers."""
     # Every prompt prefilled remotely, as SMG does: the same path through both.
     stack = PdserveStack("gateways", model, local_prefill_below=0, hw=hw,
                          placement=("--prefill-saturated", "0"))
-    smg = None
+    others: list = []
     try:
         progress("starting pdserve up")
         edge = stack.start()
-        smg = SmgGateway("smg", model, stack.worker_addresses("prefill"),
-                         stack.worker_addresses("decode"))
+        workers = stack.worker_addresses("prefill"), stack.worker_addresses("decode")
+        gateways = {"pdserve": (edge, stack.gateway_pids())}
+        if router_in_edge:
+            progress("starting a pdserve edge with its router inside")
+            others.append(EmbeddedEdge("router-in-edge", model, *workers, hw.max_model_len))
+            gateways["pdserve_router_in_edge"] = (others[-1].start(), others[-1].pids())
         progress("starting smg")
-        smg_urls = smg.start()
-        return measure({"pdserve": (edge, stack.gateway_pids()), "smg": (smg_urls, smg.pids())},
-                       model, n, rate, reps, seed)
+        others.append(SmgGateway("smg", model, *workers))
+        gateways["smg"] = (others[-1].start(), others[-1].pids())
+        return measure(gateways, model, n, rate, reps, seed)
     finally:
-        if smg:
-            smg.stop()
+        for gateway in others:
+            gateway.stop()
         stack.stop()

@@ -21,7 +21,7 @@ import weakref
 
 import grpc
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pdserve import genai, telemetry
 from pdserve.config import EdgeConfig
@@ -47,6 +47,7 @@ CONFIG = web.AppKey("config", EdgeConfig)
 ORCH = web.AppKey("orchestrator", Orchestrator)
 ENCODER = web.AppKey("encoder", PromptEncoder)
 METRICS = web.AppKey("metrics", EdgeMetrics)
+ROUTER_METRICS = web.AppKey("router_metrics", object)     # CollectorRegistry | None
 STREAMS = web.AppKey("streams", Streams)
 KEYS = web.AppKey("keys", KeyRing)
 CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came with
@@ -406,6 +407,8 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[METRICS].registry)
+    if request.app[ROUTER_METRICS] is not None:
+        body += generate_latest(request.app[ROUTER_METRICS])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -435,13 +438,16 @@ async def _read_pool(app: web.Application):
     task.cancel()
 
 
-def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder) -> web.Application:
-    """The aiohttp application; the caller owns the orchestrator's lifetime."""
+def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncoder,
+              router_metrics: CollectorRegistry | None = None) -> web.Application:
+    """The aiohttp application; the caller owns the orchestrator's lifetime.
+    `router_metrics`: an embedded router's series, served on /metrics beside the edge's."""
     telemetry.instrument_http()
     app = web.Application(middlewares=[_errors, _authenticate],
                           client_max_size=cfg.max_request_bytes)
     app[CONFIG], app[ORCH], app[ENCODER] = cfg, orchestrator, encoder
     app[METRICS] = EdgeMetrics(cfg.name)
+    app[ROUTER_METRICS] = router_metrics
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[ADMISSION] = Admission(cfg.admission_queue, cfg.admission_wait_seconds, app[METRICS])
     if cfg.admission:                   # off: capacity stays unbounded, nothing to read

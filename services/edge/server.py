@@ -8,7 +8,9 @@ from aiohttp import web
 from pdserve.config import EdgeConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
-from pdserve.v1 import inference_pb2_grpc
+from pdserve.v1 import inference_pb2_grpc, router_pb2_grpc
+from services.router.local import LocalRouter
+from services.router.server import Router
 
 from .app import ADMISSION, STREAMS, build_app
 from .inference import InferenceService
@@ -32,14 +34,24 @@ def resilience(cfg: EdgeConfig) -> Resilience:
 async def serve(cfg: EdgeConfig) -> None:
     """Serve HTTP on cfg.host:cfg.port until signalled; streams in flight get 30 s to finish."""
     encoder = PromptEncoder(cfg.model)
+    # --router embedded: the router's registry, probes and placement on this loop.
+    router = Router(cfg.embedded_router) if cfg.embedded_router else None
     orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer,
-                                resilience(cfg), batched=cfg.decode_calls == "batched")
-    app = build_app(cfg, orchestrator, encoder)
+                                resilience(cfg), batched=cfg.decode_calls == "batched",
+                                router=LocalRouter(router.service) if router else None)
+    app = build_app(cfg, orchestrator, encoder,
+                    router_metrics=router.service.metrics.registry if router else None)
     inference = InferenceService(cfg, encoder, app)
-    grpc_server = Server(cfg.host, cfg.grpc_port,
-                         lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(inference, s),
-                         ["pdserve.v1.Inference"])
+
+    def add_servicers(s) -> None:
+        inference_pb2_grpc.add_InferenceServicer_to_server(inference, s)
+        if router:
+            router_pb2_grpc.add_RouterServicer_to_server(router.service, s)
+    grpc_server = Server(cfg.host, cfg.grpc_port, add_servicers,
+                         ["pdserve.v1.Inference"] + (["pdserve.v1.Router"] if router else []))
     await grpc_server.start()
+    if router:
+        router.start()
     # handler_cancellation: a client that goes away cancels its handler, which
     # cancels the decode call, which aborts the request on the worker.
     runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=30.0,
@@ -51,7 +63,8 @@ async def serve(cfg: EdgeConfig) -> None:
     await site.start()
     freeze_startup_heap()
     log.info("edge listening on http://%s:%d, Inference gRPC on :%d (model %s, router %s)",
-             cfg.host, cfg.port, grpc_server.port, cfg.name, cfg.router)
+             cfg.host, cfg.port, grpc_server.port, cfg.name,
+             f"embedded, Router gRPC on :{grpc_server.port}" if router else cfg.router)
     try:
         await until_signalled()
     finally:
@@ -63,3 +76,5 @@ async def serve(cfg: EdgeConfig) -> None:
         await grpc_server.stop(grace=1.0)
         await runner.cleanup()
         await orchestrator.close()
+        if router:
+            await router.stop()

@@ -20,9 +20,9 @@ from pdserve.v1 import router_pb2, router_pb2_grpc
 from .edges import EdgeReports
 from .metrics import RouterMetrics
 from .placement import NoWorkerError, Policy, place
+from .probes import EngineProbes
 from .prefix_index import PrefixIndex
 from .registry import ROLE_NAMES, WorkerRegistry
-from .probes import EngineProbes
 
 log = logging.getLogger("pdserve.router")
 
@@ -86,17 +86,33 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                               edges=elsewhere.edges)
 
 
+class Router:
+    """The service and the probes that keep its registry and prefix index fed: what
+    runs in a router process, or in an edge's (`--router embedded`, local.py)."""
+
+    def __init__(self, cfg: RouterConfig):
+        self.service = RouterService(cfg)
+        self.probes = EngineProbes(self.service.registry, list(cfg.static_workers),
+                                   cfg.worker_timeout_seconds / 3, self.service.index)
+        self.service.on_join = self.probes.wake
+
+    def start(self) -> None:
+        """Begin probing the workers (call on the running loop)."""
+        self.probes.start()
+
+    async def stop(self) -> None:
+        await self.probes.stop()
+
+
 async def serve(cfg: RouterConfig) -> None:
     """Run the router until SIGINT/SIGTERM."""
-    service = RouterService(cfg)
+    router = Router(cfg)
+    service = router.service
     server = Server(cfg.host, cfg.port,
                     lambda s: router_pb2_grpc.add_RouterServicer_to_server(service, s),
                     ["pdserve.v1.Router"])
-    probes = EngineProbes(service.registry, list(cfg.static_workers),
-                          cfg.worker_timeout_seconds / 3, service.index)
-    service.on_join = probes.wake
     await server.start()
-    probes.start()
+    router.start()
     freeze_startup_heap()
     if cfg.metrics_port:
         prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host,
@@ -106,5 +122,5 @@ async def serve(cfg: RouterConfig) -> None:
     try:
         await until_signalled()
     finally:
-        await probes.stop()
+        await router.stop()
         await server.stop(grace=2.0)

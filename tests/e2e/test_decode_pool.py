@@ -14,7 +14,9 @@ locally meanwhile) and is restarted by the supervisor, as the decode worker is;
 `pdserve chaos` in short (streaming load while workers are SIGKILLed and
 SIGSTOPped) loses no stream; a SIGTERMed decode worker leaves the router at once
 but finishes the stream it is running before it exits (then it is restarted too).
-The stack runs with chaos's fault deadlines (a silent decode moves after 1.5 s).
+The stack runs with chaos's fault deadlines (a silent decode moves after 1.5 s), and
+with its router inside the edge (`--router-in-edge`): the workers register with the
+edge, which places in-process (the suite's main stack runs a router process).
 """
 from __future__ import annotations
 
@@ -37,11 +39,11 @@ from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
 
 @pytest.fixture(scope="module")
 def pool(model_dir, reference):
-    ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill")}
+    ports = {k: free_port() for k in ("edge", "grpc", "prefill")}
     ports["decode"] = free_port_run(2)
     metrics = free_port_run(3)
     proc = Proc(pdserve_cmd("up", "--decode-workers", "2", "--port", str(ports["edge"]),
-                            "--grpc-port", str(ports["grpc"]), "--router-port", str(ports["router"]),
+                            "--grpc-port", str(ports["grpc"]), "--router-in-edge",
                             "--prefill-port", str(ports["prefill"]), "--decode-port",
                             str(ports["decode"]),
                             "--kv-port", str(free_port_run(3)), "--model", str(model_dir),
@@ -121,6 +123,15 @@ def test_sessions_spread_over_both_decode_workers(pool):
     seen = {_chat(pool, [{"role": "user", "content": f"Tell me about the number {i}."}],
                   f"spread-{i}")[0]["x-pdserve-worker"] for i in range(8)}
     assert seen == {"decode-0", "decode-1"}
+
+
+def test_the_router_runs_inside_the_edge(pool):
+    children = [c.cmdline() for c in psutil.Process(pool["proc"].popen.pid).children()]
+    assert not [c for c in children if "router" in c], children      # no `pdserve router`
+    edge = next(c for c in children if "edge" in c)
+    assert edge[edge.index("--router") + 1] == "embedded"
+    # Its decisions so far (the tests above), on the edge's own /metrics.
+    assert metric_sum(f"{pool['url']}/metrics", "pdserve:router_decisions_total") >= 8
 
 
 def _workers(pool) -> set[str]:

@@ -22,8 +22,8 @@ from services.edge.orchestrator import Orchestrator
 from services.edge.server import resilience
 from services.edge.prompts import PromptEncoder
 from services.edge.runner import EdgeRunner
-from services.router.probes import EngineProbes
-from services.router.server import RouterService
+from services.router.local import LocalRouter
+from services.router.server import Router
 from services.worker.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server
 from support import free_port
 
@@ -66,10 +66,11 @@ class EdgeStack:
 @contextlib.asynccontextmanager
 async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity: int = 0,
                      engines: int = 1, stock_engines: bool = False, batch_from: int = 0,
-                     **edge_options):
+                     embedded_router: bool = False, **edge_options):
     """Yield an EdgeStack (`replicas` edges and `engines` decode engines on one router;
     `stock_engines`: serving vLLM's engine protocol only, as `vllm ... --grpc` does;
-    `batch_from`: legs open on an engine before they share its batched call, here 0);
+    `batch_from`: legs open on an engine before they share its batched call, here 0;
+    `embedded_router`: the first edge runs the router's service in-process);
     everything is stopped on exit."""
     encoder = PromptEncoder(str(model_dir))
     decoders = []
@@ -83,21 +84,26 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
                             SERVICE_NAMES)
         await server.start()
         decoders.append((engine, server))
-    router_cfg = RouterConfig(port=0, static_workers=tuple(
+    # Probed every 0.5 s (a third of the worker timeout).
+    router_cfg = RouterConfig(port=0, worker_timeout_seconds=1.5, static_workers=tuple(
         ("decode", f"127.0.0.1:{server.port}") for _, server in decoders))
-    service = RouterService(router_cfg)
-    router = Server("127.0.0.1", 0, lambda s: router_pb2_grpc.add_RouterServicer_to_server(
-        service, s), [])
-    probes = EngineProbes(service.registry, list(router_cfg.static_workers), 0.5, service.index)
-    await router.start()
-    probes.start()
-    cfg = replace(EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}",
+    router = Router(router_cfg)
+    service = router.service
+    router_server = Server("127.0.0.1", 0, lambda s: router_pb2_grpc
+                           .add_RouterServicer_to_server(service, s), [])
+    await router_server.start()
+    router.start()
+    cfg = replace(EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router_server.port}",
                              min_prefill_workers=0), **edge_options)
     edges = []
     for _ in range(replicas):
+        # embedded_router: the first edge places in its own process (`--router embedded`).
+        local = LocalRouter(service) if embedded_router and not edges else None
         orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer, resilience(cfg),
-                                    batched=cfg.decode_calls == "batched", batch_from=batch_from)
-        app = build_app(cfg, orchestrator, encoder)
+                                    batched=cfg.decode_calls == "batched", batch_from=batch_from,
+                                    router=local)
+        app = build_app(cfg, orchestrator, encoder,
+                        router_metrics=service.metrics.registry if local else None)
         runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()
         port = free_port()
@@ -120,8 +126,8 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
         for _, _, runner, orchestrator in edges:
             await runner.cleanup()
             await orchestrator.close()
-        await probes.stop()
-        await router.stop(0)
+        await router.stop()
+        await router_server.stop(0)
         for engine, server in decoders:
             engine.thaw()
             await server.stop(0)

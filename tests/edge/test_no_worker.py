@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from pdserve.config import EdgeConfig, RouterConfig
@@ -13,19 +14,22 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.edge.app import build_app
 from services.edge.orchestrator import Orchestrator
 from services.edge.prompts import PromptEncoder
+from services.router.local import LocalRouter
 from services.router.server import RouterService
 from support import free_port
 
 
 @contextlib.asynccontextmanager
-async def _edge(model_dir, service: RouterService, **options):
-    """A real router (serving `service`) and an edge in front of it; yields the edge's URL."""
+async def _edge(model_dir, service: RouterService, embedded: bool = False, **options):
+    """A real router (serving `service`) and an edge in front of it, or with `embedded`
+    the edge calling `service` in-process (`--router embedded`); yields the edge's URL."""
     router = Server("127.0.0.1", 0, lambda s: router_pb2_grpc.add_RouterServicer_to_server(
         service, s), ["pdserve.v1.Router"])
     await router.start()
     cfg = EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}", **options)
     encoder = PromptEncoder(cfg.model)
-    orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer)
+    orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer,
+                                router=LocalRouter(service) if embedded else None)
     runner = web.AppRunner(build_app(cfg, orchestrator, encoder))
     await runner.setup()
     port = free_port()
@@ -38,8 +42,9 @@ async def _edge(model_dir, service: RouterService, **options):
         await router.stop(0)
 
 
-async def test_no_worker_is_503_with_retry_after(model_dir):
-    async with _edge(model_dir, RouterService(RouterConfig(port=0))) as (url, cfg):
+@pytest.mark.parametrize("embedded", [False, True], ids=["router", "embedded"])
+async def test_no_worker_is_503_with_retry_after(model_dir, embedded):
+    async with _edge(model_dir, RouterService(RouterConfig(port=0)), embedded) as (url, cfg):
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{url}/v1/completions",
                                  json={"model": cfg.name, "prompt": "hello"}) as r:

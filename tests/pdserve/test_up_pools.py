@@ -66,3 +66,17 @@ def test_edge_flags_pass_through_and_parse_back():
     assert (cfg.admission, cfg.stream_store, cfg.api_keys_file) == (
         False, "redis://127.0.0.1:6379", "/run/keys")
     assert "--admission" in _plan()["edge"]
+
+
+def test_router_in_edge_starts_no_router_and_points_workers_at_the_edge():
+    plan = _plan("--router-in-edge", "--decode-workers", "2", "--balance", "1.5",
+                 "--grpc-port", "50999")
+    assert list(plan) == ["prefill-0", "decode-0", "decode-1", "edge"]
+    assert {_flag(plan[n], "--router") for n in ("prefill-0", "decode-0", "decode-1")} == {
+        "127.0.0.1:50999"}
+    edge = plan["edge"]
+    cfg = _config(_parser().parse_args(edge[edge.index("edge"):]))
+    assert cfg.router == "embedded" and cfg.grpc_port == 50999
+    # The placement flags reach the router the edge runs, on the edge's gRPC port.
+    assert (cfg.embedded_router.balance, cfg.embedded_router.port) == (1.5, 50999)
+    assert _config(_parser().parse_args(["edge"])).embedded_router is None
