@@ -174,10 +174,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="edge's internal Inference gRPC API")
     up.add_argument("--router-port", type=int, default=50051)
     up.add_argument("--router-in-edge", action=argparse.BooleanOptionalAction, default=False,
-                    help="run the router inside the edge process (no router process; workers "
-                         "register at the edge's --grpc-port; --router-port and "
-                         "--router-metrics-port unused, the router's series on the edge's "
-                         "/metrics)")
+                    help="run the router inside the edge process (no router process: the "
+                         "edge serves the Router service on --router-port; the router's "
+                         "series on the edge's /metrics, --router-metrics-port unused)")
     up.add_argument("--prefill-workers", type=int, default=1, help="prefill pool size")
     up.add_argument("--decode-workers", type=int, default=1, help="decode pool size")
     up.add_argument("--prefill-port", type=int, default=50061,
@@ -243,9 +242,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
     e.add_argument("--grpc-port", type=int, default=50081, help="internal Inference gRPC API")
     e.add_argument("--router", default="127.0.0.1:50051",
-                   help="the router's HOST:PORT, or `embedded`: run it in this process "
-                        "(workers then register at this edge's --grpc-port; the placement "
-                        "flags below apply)")
+                   help="the router's HOST:PORT, or `embedded`: run it in this process, "
+                        "serving the Router service on --router-host:--router-port for "
+                        "workers to register with (the placement flags below apply)")
+    e.add_argument("--router-host", default="127.0.0.1",
+                   help="with --router embedded: where the Router service binds")
+    e.add_argument("--router-port", type=int, default=RouterConfig().port,
+                   help="with --router embedded: the Router service's port")
     e.add_argument("--model", default=_env("PDSERVE_MODEL", ""))
     e.add_argument("--served-model-name", default="")
     e.add_argument("--max-model-len", type=int, default=2048)
@@ -315,8 +318,9 @@ def _run(coro) -> None:
     uvloop.run(coro)
 
 
-def _router_config(a: argparse.Namespace, port: int, metrics_port: int) -> RouterConfig:
-    return RouterConfig(host=a.host, port=port,
+def _router_config(a: argparse.Namespace, host: str, port: int,
+                   metrics_port: int = 0) -> RouterConfig:
+    return RouterConfig(host=host, port=port,
                         local_prefill_below_tokens=a.local_prefill_below,
                         worker_timeout_seconds=a.worker_timeout, balance=a.balance,
                         balance_slack=a.balance_slack,
@@ -329,7 +333,7 @@ def _router_config(a: argparse.Namespace, port: int, metrics_port: int) -> Route
 def _config(a: argparse.Namespace):
     """The validated config for `a.command` (raises ValueError naming the field)."""
     if a.command == "router":
-        return _router_config(a, a.port, a.metrics_port)
+        return _router_config(a, a.host, a.port, a.metrics_port)
     if a.command in ("prefill", "decode"):
         return WorkerConfig(role=a.command, engine=_engine_config(a),
                             # NIXL's handshake stays on vLLM's side channel, bound to the
@@ -343,10 +347,13 @@ def _config(a: argparse.Namespace):
                             router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port,
                             drain_seconds=a.drain_seconds)
     if a.command == "edge":
+        if a.router != "embedded" and (a.prefill_worker or a.decode_worker):
+            raise ValueError("--prefill-worker/--decode-worker name engines for a router "
+                             "this edge runs: they need --router embedded")
         return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,
                           host=a.host, port=a.port, grpc_port=a.grpc_port, router=a.router,
-                          embedded_router=(_router_config(a, a.grpc_port, 0)
+                          embedded_router=(_router_config(a, a.router_host, a.router_port)
                                            if a.router == "embedded" else None),
                           min_prefill_workers=a.min_prefill_workers,
                           min_decode_workers=a.min_decode_workers,

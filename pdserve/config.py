@@ -155,7 +155,7 @@ class EdgeConfig:
     grpc_port: int = 50081               # the internal Inference API
     router: str = "127.0.0.1:50051"
     # Set: the router runs in the edge's process (`--router embedded`), placing on its
-    # loop and serving pdserve.v1.Router on grpc_port for workers to register with.
+    # loop and serving pdserve.v1.Router on its host:port for workers to register with.
     embedded_router: RouterConfig | None = None
     min_prefill_workers: int = 1         # /health is 503 until this many serve
     min_decode_workers: int = 1

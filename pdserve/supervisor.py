@@ -87,8 +87,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     side-channel port --kv-port + k and metrics port --worker-metrics-port + k."""
     me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level,
           "--log-format", a.log_format]
-    # --router-in-edge: no router process; the edge places and workers register there.
-    router = f"127.0.0.1:{a.grpc_port if a.router_in_edge else a.router_port}"
+    # --router-in-edge: no router process; the edge serves the router's port itself.
+    router = f"127.0.0.1:{a.router_port}"
     units = _placement(a, eng)
     workers = []
     for role, first_port in (("prefill", a.prefill_port), ("decode", a.decode_port)):
@@ -115,7 +115,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                       if a.router_metrics_port else [])
     edge = ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
                           "--grpc-port", str(a.grpc_port),
-                          "--router", "embedded" if a.router_in_edge else router,
+                          *(["--router", "embedded", "--router-port", str(a.router_port)]
+                            if a.router_in_edge else ["--router", router]),
                           "--model", eng.model, "--served-model-name", eng.name,
                           "--max-model-len", str(eng.max_model_len),
                           "--min-prefill-workers", str(a.prefill_workers),
@@ -269,8 +270,8 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
             children.watch(time.monotonic())
             if not ready and healthy(health):
                 ready = True
-                where = (f"in the edge, :{a.grpc_port}" if a.router_in_edge
-                         else f"127.0.0.1:{a.router_port}")
+                where = f"127.0.0.1:{a.router_port}" + (" in the edge" if a.router_in_edge
+                                                          else "")
                 print(f"pdserve ready: http://{a.host}:{a.port} (router {where},"
                       f" {a.prefill_workers} prefill from :{a.prefill_port}, {a.decode_workers}"
                       f" decode from :{a.decode_port}, model {eng.name})", flush=True)

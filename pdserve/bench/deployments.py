@@ -313,8 +313,9 @@ class EmbeddedEdge:
     def start(self) -> list[str]:
         port = free_port()
         self.children.start([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING",
-                             "edge", "--router", "embedded", "--port", str(port),
-                             "--grpc-port", str(free_port()), *self.args], {})
+                             "edge", "--router", "embedded", "--router-port", str(free_port()),
+                             "--port", str(port), "--grpc-port", str(free_port()), *self.args],
+                            {})
         urls = [f"http://127.0.0.1:{port}"]
         self.children.wait_healthy([u + "/health" for u in urls])
         return urls

@@ -8,7 +8,7 @@ from aiohttp import web
 from pdserve.config import EdgeConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
-from pdserve.v1 import inference_pb2_grpc, router_pb2_grpc
+from pdserve.v1 import inference_pb2_grpc
 from services.router.local import LocalRouter
 from services.router.server import Router
 
@@ -42,16 +42,12 @@ async def serve(cfg: EdgeConfig) -> None:
     app = build_app(cfg, orchestrator, encoder,
                     router_metrics=router.service.metrics.registry if router else None)
     inference = InferenceService(cfg, encoder, app)
-
-    def add_servicers(s) -> None:
-        inference_pb2_grpc.add_InferenceServicer_to_server(inference, s)
-        if router:
-            router_pb2_grpc.add_RouterServicer_to_server(router.service, s)
-    grpc_server = Server(cfg.host, cfg.grpc_port, add_servicers,
-                         ["pdserve.v1.Inference"] + (["pdserve.v1.Router"] if router else []))
+    grpc_server = Server(cfg.host, cfg.grpc_port,
+                         lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(inference, s),
+                         ["pdserve.v1.Inference"])
     await grpc_server.start()
     if router:
-        router.start()
+        await router.start()
     # handler_cancellation: a client that goes away cancels its handler, which
     # cancels the decode call, which aborts the request on the worker.
     runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=30.0,
@@ -64,7 +60,8 @@ async def serve(cfg: EdgeConfig) -> None:
     freeze_startup_heap()
     log.info("edge listening on http://%s:%d, Inference gRPC on :%d (model %s, router %s)",
              cfg.host, cfg.port, grpc_server.port, cfg.name,
-             f"embedded, Router gRPC on :{grpc_server.port}" if router else cfg.router)
+             f"embedded, Router gRPC on {cfg.embedded_router.host}:{router.port}" if router
+             else cfg.router)
     try:
         await until_signalled()
     finally:
@@ -77,4 +74,4 @@ async def serve(cfg: EdgeConfig) -> None:
         await runner.cleanup()
         await orchestrator.close()
         if router:
-            await router.stop()
+            await router.stop(grace=1.0)

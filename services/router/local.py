@@ -4,8 +4,9 @@ by a `RouterService` on the caller's own event loop.
 An edge started with `--router embedded` places its requests here instead of
 over gRPC: no process hop, no serialising a prompt's token ids twice, one
 process fewer to wake up for every heartbeat and probe. The edge still serves
-the Router service on its gRPC port, so workers register with it (and other
-edges may route through it) as with a router process.
+the Router service on the router's port (`--router-port`, on 127.0.0.1 unless
+`--router-host` says otherwise), so workers register with it, and other edges
+may route through it, as with a router process.
 """
 from __future__ import annotations
 

@@ -87,40 +87,41 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
 class Router:
-    """The service and the probes that keep its registry and prefix index fed: what
-    runs in a router process, or in an edge's (`--router embedded`, local.py)."""
+    """The service on its gRPC port, and the probes that keep its registry and prefix
+    index fed: what runs in a router process, or in an edge's (`--router embedded`,
+    local.py). The port is bound here (cfg.port 0: any free one, then `port`)."""
 
     def __init__(self, cfg: RouterConfig):
         self.service = RouterService(cfg)
         self.probes = EngineProbes(self.service.registry, list(cfg.static_workers),
                                    cfg.worker_timeout_seconds / 3, self.service.index)
         self.service.on_join = self.probes.wake
+        self.server = Server(cfg.host, cfg.port, lambda s: router_pb2_grpc
+                             .add_RouterServicer_to_server(self.service, s),
+                             ["pdserve.v1.Router"])
+        self.port = self.server.port
 
-    def start(self) -> None:
-        """Begin probing the workers (call on the running loop)."""
+    async def start(self) -> None:
+        """Serve, and begin probing the workers."""
+        await self.server.start()
         self.probes.start()
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 2.0) -> None:
         await self.probes.stop()
+        await self.server.stop(grace)
 
 
 async def serve(cfg: RouterConfig) -> None:
     """Run the router until SIGINT/SIGTERM."""
     router = Router(cfg)
-    service = router.service
-    server = Server(cfg.host, cfg.port,
-                    lambda s: router_pb2_grpc.add_RouterServicer_to_server(service, s),
-                    ["pdserve.v1.Router"])
-    await server.start()
-    router.start()
+    await router.start()
     freeze_startup_heap()
     if cfg.metrics_port:
         prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host,
-                                            registry=service.metrics.registry)
-    log.info("router listening on %s:%d (%d static workers)", cfg.host, server.port,
+                                            registry=router.service.metrics.registry)
+    log.info("router listening on %s:%d (%d static workers)", cfg.host, router.port,
              len(cfg.static_workers))
     try:
         await until_signalled()
     finally:
         await router.stop()
-        await server.stop(grace=2.0)

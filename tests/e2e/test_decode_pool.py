@@ -39,11 +39,12 @@ from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
 
 @pytest.fixture(scope="module")
 def pool(model_dir, reference):
-    ports = {k: free_port() for k in ("edge", "grpc", "prefill")}
+    ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill")}
     ports["decode"] = free_port_run(2)
     metrics = free_port_run(3)
     proc = Proc(pdserve_cmd("up", "--decode-workers", "2", "--port", str(ports["edge"]),
                             "--grpc-port", str(ports["grpc"]), "--router-in-edge",
+                            "--router-port", str(ports["router"]),
                             "--prefill-port", str(ports["prefill"]), "--decode-port",
                             str(ports["decode"]),
                             "--kv-port", str(free_port_run(3)), "--model", str(model_dir),

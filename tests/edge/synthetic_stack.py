@@ -15,7 +15,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
-from pdserve.v1 import inference_pb2_grpc, router_pb2_grpc
+from pdserve.v1 import inference_pb2_grpc
 from services.edge.app import ADMISSION, METRICS, STREAMS, build_app
 from services.edge.inference import InferenceService
 from services.edge.orchestrator import Orchestrator
@@ -89,11 +89,8 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
         ("decode", f"127.0.0.1:{server.port}") for _, server in decoders))
     router = Router(router_cfg)
     service = router.service
-    router_server = Server("127.0.0.1", 0, lambda s: router_pb2_grpc
-                           .add_RouterServicer_to_server(service, s), [])
-    await router_server.start()
-    router.start()
-    cfg = replace(EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router_server.port}",
+    await router.start()
+    cfg = replace(EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}",
                              min_prefill_workers=0), **edge_options)
     edges = []
     for _ in range(replicas):
@@ -126,8 +123,7 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
         for _, _, runner, orchestrator in edges:
             await runner.cleanup()
             await orchestrator.close()
-        await router.stop()
-        await router_server.stop(0)
+        await router.stop(grace=0)
         for engine, server in decoders:
             engine.thaw()
             await server.stop(0)

@@ -68,15 +68,24 @@ def test_edge_flags_pass_through_and_parse_back():
     assert "--admission" in _plan()["edge"]
 
 
-def test_router_in_edge_starts_no_router_and_points_workers_at_the_edge():
+def test_router_in_edge_starts_no_router_and_the_edge_serves_its_port():
     plan = _plan("--router-in-edge", "--decode-workers", "2", "--balance", "1.5",
-                 "--grpc-port", "50999")
+                 "--router-port", "50999")
     assert list(plan) == ["prefill-0", "decode-0", "decode-1", "edge"]
     assert {_flag(plan[n], "--router") for n in ("prefill-0", "decode-0", "decode-1")} == {
         "127.0.0.1:50999"}
     edge = plan["edge"]
     cfg = _config(_parser().parse_args(edge[edge.index("edge"):]))
-    assert cfg.router == "embedded" and cfg.grpc_port == 50999
-    # The placement flags reach the router the edge runs, on the edge's gRPC port.
-    assert (cfg.embedded_router.balance, cfg.embedded_router.port) == (1.5, 50999)
+    assert cfg.router == "embedded"
+    # The placement flags reach the router the edge runs, on the router's own port.
+    r = cfg.embedded_router
+    assert (r.balance, r.host, r.port) == (1.5, "127.0.0.1", 50999)
     assert _config(_parser().parse_args(["edge"])).embedded_router is None
+
+
+def test_static_engines_on_an_edge_need_its_own_router():
+    with pytest.raises(ValueError, match="--router embedded"):
+        _config(_parser().parse_args(["edge", "--decode-worker", "127.0.0.1:1"]))
+    cfg = _config(_parser().parse_args(["edge", "--router", "embedded",
+                                        "--decode-worker", "127.0.0.1:1"]))
+    assert cfg.embedded_router.static_workers == (("decode", "127.0.0.1:1"),)
