@@ -89,12 +89,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
 class Router:
     """The service on its gRPC port, and the probes that keep its registry and prefix
     index fed: what runs in a router process, or in an edge's (`--router embedded`,
-    local.py). The port is bound here (cfg.port 0: any free one, then `port`)."""
+    local.py). The port is bound here (cfg.port 0: any free one, then `port`). Workers
+    are probed every `probe_interval` seconds, a third of the worker timeout unless told."""
 
-    def __init__(self, cfg: RouterConfig):
+    def __init__(self, cfg: RouterConfig, probe_interval: float | None = None):
         self.service = RouterService(cfg)
         self.probes = EngineProbes(self.service.registry, list(cfg.static_workers),
-                                   cfg.worker_timeout_seconds / 3, self.service.index)
+                                   probe_interval or cfg.worker_timeout_seconds / 3,
+                                   self.service.index)
         self.service.on_join = self.probes.wake
         self.server = Server(cfg.host, cfg.port, lambda s: router_pb2_grpc
                              .add_RouterServicer_to_server(self.service, s),

@@ -84,10 +84,9 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
                             SERVICE_NAMES)
         await server.start()
         decoders.append((engine, server))
-    # Probed every 0.5 s (a third of the worker timeout).
-    router_cfg = RouterConfig(port=0, worker_timeout_seconds=1.5, static_workers=tuple(
+    router_cfg = RouterConfig(port=0, static_workers=tuple(
         ("decode", f"127.0.0.1:{server.port}") for _, server in decoders))
-    router = Router(router_cfg)
+    router = Router(router_cfg, probe_interval=0.5)
     service = router.service
     await router.start()
     cfg = replace(EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}",
