@@ -303,6 +303,13 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
             # pin the whole worker process tree: engine core, model runner, NIXL.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
             _pin(cpus)
+        if cfg.engine.tensor_parallel_size == 1:
+            # The model runs in the engine core's process. vLLM's CPU platform
+            # otherwise always adds a worker process behind the engine core, fed
+            # through shared-memory queues: one more vllm import at start-up
+            # (~20 s of a stack's start on two cores) and one more process hop and
+            # wake-up on every engine step. AsyncLLM keeps its engine core process.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
