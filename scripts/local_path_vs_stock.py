@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from pdserve.bench.deployments import PdserveStack, StockVllm
+from pdserve.bench.deployments import Hardware, PdserveStack, StockVllm
 from pdserve.tiny_model import ensure_tiny_model
 from pdserve.v1 import common_pb2
 from services.edge.engine_requests import decode_request
@@ -90,18 +90,18 @@ def main() -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 4000, a.input_len).tolist() for _ in range(a.prompts)]
 
-    stack = PdserveStack("local-path", model, local_prefill_below=0)
+    hw = Hardware(units=tuple(sorted(os.sched_getaffinity(0))))
+    decode_cores = hw.halves()[1]           # `pdserve up` gives decode the upper half
+    stack = PdserveStack("local-path", model, 0, hw)
     stack.start()
     try:
-        cores = sorted(os.sched_getaffinity(0))
-        decode_cores = cores[len(cores) // 2:]  # `pdserve up` gives decode the upper half
         with grpc.insecure_channel(f"127.0.0.1:{stack.ports['decode']}") as ch:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(ch)
             mine = _run(f"pdserve decode worker (cores {decode_cores})",
                         lambda ids, n: _worker_decode(stub, ids, n), prompts, a.output_len)
     finally:
         stack.stop()
-    stock = StockVllm("stock", model, [decode_cores])
+    stock = StockVllm("stock", model, [decode_cores], hw)
     url = stock.start()[0]
     try:
         theirs = _run(f"stock vLLM server (cores {decode_cores})",
