@@ -123,6 +123,22 @@ class Proc:
             raise AssertionError(f"{self.name} did not stop within {timeout}s of SIGTERM")
 
 
+def stop_all(procs: list[Proc], timeout: float = 60) -> list[int]:
+    """SIGTERM every one at once, then wait for each (as Proc.stop): processes that
+    shut down slowly (a vLLM engine takes seconds) do so side by side."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    codes, late = [], []
+    for proc in procs:
+        try:
+            codes.append(proc.stop(timeout=timeout))
+        except AssertionError as e:
+            late.append(str(e))
+    assert not late, "; ".join(late)
+    return codes
+
+
 def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]
 

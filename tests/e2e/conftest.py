@@ -54,7 +54,10 @@ def reference(model_dir) -> dict[str, dict]:
                  "--model", str(model_dir), "--dtype", "float32", "--enforce-eager",
                  "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
                  "--no-enable-prefix-caching"],
-                env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"},
+                # The model in the engine core's process, as pdserve's workers run it
+                # (no worker process behind it: one vllm import fewer to start).
+                env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1",
+                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
                 name="vllm-reference")
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, 300)

@@ -19,7 +19,7 @@ import pytest
 from cases import CASES, MAX_TOKENS
 from conftest import _wait_http
 from pdserve.config import KVTransferConfig
-from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
+from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd, stop_all
 from transfer.connector import engine_kv_config
 
 
@@ -69,8 +69,7 @@ def stock_cluster(model_dir, reference):
         _wait_http(f"{url}/health", procs[-1], 300)     # a slow box imports slowly
         yield url, procs
     finally:
-        for proc in reversed(procs):
-            proc.stop(timeout=60)
+        stop_all(procs, timeout=60)
 
 
 def test_router_lists_the_stock_engines_it_probed(stock_cluster):
