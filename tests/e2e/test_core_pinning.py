@@ -64,6 +64,10 @@ def test_every_engine_thread_stays_on_its_workers_cores(stack):
     for role, (proc, cores) in workers.items():
         engine_threads = sum(len(p.threads()) for p in proc.children(recursive=True))
         assert engine_threads > 1, f"{role}: no engine process found under the worker"
+        # One engine core process, running the model itself: no vLLM worker process
+        # behind it (pdserve/cli.py's _engine_env, one tensor-parallel rank on CPU).
+        titles = [p.name() for p in proc.children(recursive=True) if p.name().startswith("VLLM")]
+        assert titles == ["VLLM::EngineCore"], f"{role}: {titles}"
         assert _threads_outside(proc, cores) == [], f"{role} threads left cores {sorted(cores)}"
 
 

@@ -1,6 +1,7 @@
 """Config validation names the field; the CLI turns a bad flag into exit code 2."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -61,3 +62,21 @@ def test_the_transfer_mode_picks_vllms_connector_by_name_from_pdserves_module():
         assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (name,
                                                                           "transfer.vllm_nixl")
     assert _config(_parser().parse_args(["prefill"])).kv.mode == "pull"
+
+
+@pytest.mark.parametrize("device,tp,given,expected", [
+    ("cpu", 1, None, "0"),       # the engine core runs the model: no third process
+    ("cpu", 1, "1", "1"),        # an operator's choice is kept
+    ("cpu", 2, None, None),      # tensor parallelism needs vLLM's worker processes
+    ("cuda", 1, None, None),     # GPUs: vLLM's own default
+])
+def test_a_worker_runs_the_model_in_the_engine_core_on_one_cpu_rank(monkeypatch, device, tp,
+                                                                     given, expected):
+    from pdserve.cli import _engine_env
+    monkeypatch.setattr(os, "environ", dict(os.environ))     # _engine_env writes the environ
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if given is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = given
+    engine = EngineConfig(model="m", device=device, tensor_parallel_size=tp)
+    _engine_env(WorkerConfig(role="decode", engine=engine), cpus="")
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == expected
