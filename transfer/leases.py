@@ -4,8 +4,9 @@ A lease is what vLLM's NIXL connector keeps on the prefill side after a request
 finishes with `do_remote_decode`: its blocks stay allocated until a decoder
 says it has read them, or until the lease's expiry (the connector's worker
 keeps `lease id -> expiry` in `_reqs_to_send`; the lease id is the request id
-the prefill returned as `remote_request_id`). This module lives in the engine's
-worker process beside the connector and adds what vLLM lacks:
+the prefill returned as `remote_request_id`). This module lives beside the
+connector in vLLM's model worker (in the engine core's process on one CPU rank,
+pdserve's default; in a process per rank otherwise) and adds what vLLM lacks:
 
 - **ending a lease at once**, by id: `end(id, "aborted")` sets its expiry to
   now, so the connector frees its blocks at its next step (the same path an

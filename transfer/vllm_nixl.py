@@ -93,9 +93,10 @@ def limit_idle_spin(seconds: float) -> None:
     reply queue) busy-wait `seconds` after their last message instead of vLLM's 1 s.
 
     vLLM's CPU backend runs the model in a separate worker process fed through
-    such queues unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (pdserve's workers set it
-    with one tensor-parallel rank, and then there are no such queues); after each step the reader spins (sched_yield) for a
-    second before it sleeps on a socket. A prefill engine that runs a prompt a
+    such queues unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (pdserve's workers set
+    it when the engine has one tensor-parallel rank: then there are no such
+    queues); after each step the reader spins (sched_yield) for a second before
+    it sleeps on a socket. A prefill engine that runs a prompt a
     second therefore keeps its core busy all the time, and the edge, the
     router and the decode worker's gRPC front end queue behind it. Spinning
     only a few milliseconds keeps back-to-back decode steps as fast (the

@@ -57,7 +57,7 @@ class VllmEngine:
                 enable_kv_cache_events=True, publisher="zmq",
                 endpoint=f"ipc://{self.kv_events_path}"),
             kv_transfer_config=engine_kv_config(role, kv) if kv else None,
-            # Lease control in the engine's worker processes (transfer/leases.py).
+            # Lease control beside vLLM's model workers (transfer/leases.py).
             worker_extension_cls=LEASE_EXTENSION if kv else "",
             **({"kv_cache_memory_bytes": cfg.kv_cache_bytes} if cfg.device == "cpu"
                else {"gpu_memory_utilization": cfg.gpu_memory_utilization}),
