@@ -260,8 +260,9 @@ class PdserveStack:
 
 class StockVllm:
     """Stock vLLM OpenAI servers, one per unit set, with the engine settings pdserve's
-    workers use (CPU: fp32, eager, 1 GiB of KV per engine; GPU: bf16, tensor
-    parallel over the set) and vLLM's own defaults otherwise (prefix caching on)."""
+    workers use (CPU: fp32, eager, 1 GiB of KV per engine, the model in the engine
+    core's process; GPU: bf16, tensor parallel over the set) and vLLM's own defaults
+    otherwise (prefix caching on)."""
 
     def __init__(self, label: str, model: str, unit_sets: list[list[int]], hw: Hardware):
         self.label = label
@@ -284,7 +285,10 @@ class StockVllm:
                 self.children.start(cmd, env)
             else:
                 cmd += ["--dtype", "float32", "--enforce-eager"]
-                env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": _spec(units)}
+                env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": _spec(units),
+                        # as pdserve/cli.py's _engine_env: the operator's choice, else 0
+                        "VLLM_ENABLE_V1_MULTIPROCESSING":
+                            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
                 self.children.start(cmd, env, cores=units)
             self.urls.append(f"http://127.0.0.1:{port}")
         self.children.wait_healthy([u + "/health" for u in self.urls])
