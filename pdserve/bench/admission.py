@@ -361,6 +361,9 @@ class _Load:
                         await asyncio.sleep(delay)
                     tasks.append(asyncio.create_task(_request(http, self.next_url(), tenant,
                                                               self.body())))
+                # The phase lasts its `seconds` even when the last arrival came early
+                # (Poisson): rates over its wall time are then rates over the window.
+                await asyncio.sleep(max(0.0, t0 + seconds - time.perf_counter()))
                 return list(await asyncio.gather(*tasks))
         finally:
             watch.cancel()

@@ -13,7 +13,7 @@ from synthetic_stack import edge_stack
 
 async def test_the_embedded_router_places_keeps_sessions_and_counts(model_dir):
     async with edge_stack(model_dir, engines=2, embedded_router=True) as stack:
-        await stack.until(lambda: len(stack.engines) == 2)
+        # (edge_stack yields once the router found both engines serving)
         async with aiohttp.ClientSession() as http:
             async def send(**extra) -> str:
                 async with http.post(f"{stack.url}/v1/completions",
