@@ -109,16 +109,16 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
     inference_server = Server("127.0.0.1", 0, lambda s: inference_pb2_grpc
                               .add_InferenceServicer_to_server(inference, s), [])
     await inference_server.start()
-    # Until the router's probes found every engine serving: a request placed before
-    # then sees fewer workers than the test started (a session's home would move).
-    for _ in range(400):
-        if sum(w.serving for w in service.registry.snapshot()) == engines:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        raise AssertionError(f"the router saw {service.registry.snapshot()} serving, "
-                             f"not {engines} engines, after 20 s")
     try:
+        # Until the router's probes found every engine serving: a request placed before
+        # then sees fewer workers than the test started (a session's home would move).
+        for _ in range(400):
+            if sum(w.serving for w in service.registry.snapshot()) == engines:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the router saw {service.registry.snapshot()} serving, "
+                                 f"not {engines} engines, after 20 s")
         yield EdgeStack(edges[0][0], cfg.name, decoders[0][0], edges[0][1],
                         [(url, app) for url, app, _, _ in edges],
                         f"127.0.0.1:{inference_server.port}", decoders)
