@@ -66,6 +66,7 @@ class Proc:
     def __init__(self, cmd: list[str], env: dict | None = None, name: str = ""):
         self.name = name or cmd[0]
         self.lines: list[str] = []
+        self._terminated = False
         self.popen = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, start_new_session=True)
@@ -111,10 +112,15 @@ class Proc:
         except psutil.NoSuchProcess:
             return []
 
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one cuts a pdserve process's drain short."""
+        if self.popen.poll() is None and not self._terminated:
+            self._terminated = True
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM, wait; SIGKILL the session if it does not stop. Returns the exit code."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             return self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -123,20 +129,18 @@ class Proc:
             raise AssertionError(f"{self.name} did not stop within {timeout}s of SIGTERM")
 
 
-def stop_all(procs: list[Proc], timeout: float = 60) -> list[int]:
+def stop_all(procs: list[Proc], timeout: float = 60) -> None:
     """SIGTERM every one at once, then wait for each (as Proc.stop): processes that
     shut down slowly (a vLLM engine takes seconds) do so side by side."""
     for proc in procs:
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGTERM)
-    codes, late = [], []
+        proc.terminate()
+    late = []
     for proc in procs:
         try:
-            codes.append(proc.stop(timeout=timeout))
+            proc.stop(timeout=timeout)
         except AssertionError as e:
             late.append(str(e))
     assert not late, "; ".join(late)
-    return codes
 
 
 def pdserve_cmd(*args: str) -> list[str]:

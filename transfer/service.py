@@ -2,9 +2,9 @@
 
 The leases live beside the connector in vLLM's model worker (`leases.py`); this
 servicer reaches them through vLLM's `collective_rpc`, which runs between engine
-steps. With tensor parallelism every rank holds its
-share of a lease's blocks: an operation is sent to all, and the first rank's
-answer stands for them (every rank sees every lease). The outcome counts are exported as
+steps. With tensor parallelism every rank holds its share of a lease's blocks: an
+operation is sent to all, and the first rank's answer stands for them (every rank
+sees every lease). The outcome counts are exported as
 `pdserve:kv_leases_total{outcome}` and `pdserve:kv_leases_open`.
 """
 from __future__ import annotations

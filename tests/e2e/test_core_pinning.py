@@ -62,11 +62,12 @@ def test_every_engine_thread_stays_on_its_workers_cores(stack):
     (_, pre_cores), (_, dec_cores) = workers["prefill"], workers["decode"]
     assert pre_cores.isdisjoint(dec_cores), (pre_cores, dec_cores)
     for role, (proc, cores) in workers.items():
-        engine_threads = sum(len(p.threads()) for p in proc.children(recursive=True))
+        children = proc.children(recursive=True)
+        engine_threads = sum(len(p.threads()) for p in children)
         assert engine_threads > 1, f"{role}: no engine process found under the worker"
         # One engine core process, running the model itself: no vLLM worker process
         # behind it (pdserve/cli.py's _engine_env, one tensor-parallel rank on CPU).
-        titles = [p.name() for p in proc.children(recursive=True) if p.name().startswith("VLLM")]
+        titles = [name for name in (p.name() for p in children) if name.startswith("VLLM")]
         assert titles == ["VLLM::EngineCore"], f"{role}: {titles}"
         assert _threads_outside(proc, cores) == [], f"{role} threads left cores {sorted(cores)}"
 
