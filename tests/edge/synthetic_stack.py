@@ -23,6 +23,7 @@ from services.edge.server import resilience
 from services.edge.prompts import PromptEncoder
 from services.edge.runner import EdgeRunner
 from services.router.local import LocalRouter
+from services.router.registry import WorkerRegistry
 from services.router.server import Router
 from services.worker.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server
 from support import free_port
@@ -37,6 +38,7 @@ class EdgeStack:
     replicas: list[tuple[str, web.Application]]     # every edge (the first is url/app)
     inference: str                                   # the first edge's Inference gRPC API
     engines: list[tuple[SyntheticEngine, Server]]    # every decode engine, with its server
+    registry: WorkerRegistry | None = None           # the router's view of the engines
 
     def body(self, max_tokens: int = 20, **extra) -> dict:
         return {"model": self.model, "prompt": "hello", "max_tokens": max_tokens,
@@ -109,19 +111,15 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
     inference_server = Server("127.0.0.1", 0, lambda s: inference_pb2_grpc
                               .add_InferenceServicer_to_server(inference, s), [])
     await inference_server.start()
+    stack = EdgeStack(edges[0][0], cfg.name, decoders[0][0], edges[0][1],
+                      [(url, app) for url, app, _, _ in edges],
+                      f"127.0.0.1:{inference_server.port}", decoders, service.registry)
     try:
         # Until the router's probes found every engine serving: a request placed before
         # then sees fewer workers than the test started (a session's home would move).
-        for _ in range(400):
-            if sum(w.serving for w in service.registry.snapshot()) == engines:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError(f"the router saw {service.registry.snapshot()} serving, "
-                                 f"not {engines} engines, after 20 s")
-        yield EdgeStack(edges[0][0], cfg.name, decoders[0][0], edges[0][1],
-                        [(url, app) for url, app, _, _ in edges],
-                        f"127.0.0.1:{inference_server.port}", decoders)
+        await stack.until(lambda: sum(w.serving for w in stack.registry.snapshot())
+                          == engines, timeout=20)
+        yield stack
     finally:
         await inference_server.stop(0)
         for _, _, runner, orchestrator in edges:

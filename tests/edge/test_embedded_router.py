@@ -23,9 +23,19 @@ async def test_the_embedded_router_places_keeps_sessions_and_counts(model_dir):
                     assert choice["finish_reason"] == "length" and choice["text"]
                     return r.headers["x-pdserve-worker"]
 
-            homes = {s: await send(session_id=s) for s in ("alice", "bob", "carol", "dave")}
+            async def settled() -> None:
+                # Placements count as load until the engine's next report (placement.py's
+                # bounded load): several sessions hashed to one engine would otherwise push
+                # a later turn over the cap and off its home.
+                await stack.until(lambda: all(w.load == 0 for w in stack.registry.snapshot()))
+
+            homes = {}
+            for s in ("alice", "bob", "carol", "dave"):
+                homes[s] = await send(session_id=s)
+                await settled()
             for s, home in homes.items():                   # later turns: the same worker
                 assert await send(session_id=s) == home
+                await settled()
             spread = await asyncio.gather(*(send() for _ in range(6)))
         assert len(set(spread)) == 2                         # both engines took some
         decisions = await asyncio.to_thread(metric_sum, f"{stack.url}/metrics",
