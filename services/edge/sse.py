@@ -8,6 +8,13 @@ is bounded: its socket's send buffer and its transport buffer are capped, so
 a client that stops reading blocks only its own writes; after `stall_seconds`
 blocked it is cut off (it can resume from the log), and the generation and
 the other readers never wait for it.
+
+A reader of a log that lives in this process, once it has caught up, is
+written from the log's own append (`pushed`): the event goes to the socket in
+the call that produced it, with no task woken per event. That took the edge's
+CPU per token at 1,000 streams x 20 tokens/s from 57 to 48 us (bench/README.md). The first time
+the socket is backed up (or the reader was stopped for a moment), the relay
+goes back to awaiting its writes, with the stall timer, from where it was.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from aiohttp import web
 
-from .stream_log import Event
+from .stream_log import EventsGone, Event, Follower
 
 if TYPE_CHECKING:
     from .streams import LiveStream
@@ -83,6 +90,7 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
     framing, no `id:`, `retry:` or comments (for clients that read `data:` lines
     only; the reader then has no keepalive either)."""
     resp = web.StreamResponse(headers={**headers, **HEADERS})
+    render = plain_frame if plain else frame
     hint = not plain
     async with contextlib.aclosing(reader) as batches:
         async for batch in batches:
@@ -95,15 +103,65 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
                     resp.headers["x-pdserve-path"] = live.generation.path
                 await resp.prepare(request)
                 bound_buffers(request)
-            data = plain_frame(batch) if plain else frame(batch)
+            data = render(batch)
             if hint and batch:
                 data, hint = RETRY + data, False
             if not await within_stall(request, resp.write(data), stall_seconds):
                 on_cut()
                 return resp
+            if (isinstance(reader, Follower) and not hint and _chunked(resp)
+                    and await pushed(request, reader, render)):
+                break
     if not resp.prepared:
         # Nothing after the client's Last-Event-ID, and the stream is over: 204
         # tells an EventSource to stop reconnecting.
         return web.Response(status=204, headers=headers)
     await resp.write_eof()
     return resp
+
+
+async def pushed(request: web.Request, follower: Follower, render) -> bool:
+    """Write the follower's new events to the socket from the log's own calls, as
+    HTTP chunks (the response's headers are out, so the body is the transport's),
+    until the log finishes and all of it is written (True), or the socket has
+    bytes queued or the reader fell behind the bounded log (False: the caller goes
+    on awaiting its writes, from the follower's place)."""
+    transport = request.transport
+    woken = asyncio.get_running_loop().create_future()
+
+    def on_change() -> None:
+        if woken.done():
+            return
+        try:
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the client went away")
+            if transport.get_write_buffer_size():
+                woken.set_result(False)
+            elif batch := follower.take():
+                transport.write(_chunk(render(batch)))
+            elif follower.log.finished:
+                woken.set_result(True)
+            elif follower.keepalive_due() and (data := render([])):
+                transport.write(_chunk(data))
+        except EventsGone:
+            woken.set_result(False)         # the awaited path raises it
+        except Exception as e:  # noqa: BLE001 (it runs in the log's writer: never raise there)
+            woken.set_exception(e)
+
+    follower.log.listen(on_change)
+    try:
+        on_change()                         # whatever came since the last write
+        return await woken
+    finally:
+        follower.log.unlisten(on_change)
+
+
+def _chunked(resp: web.StreamResponse) -> bool:
+    """Whether the body goes out as plain HTTP/1.1 chunks (what `pushed` writes)."""
+    return (resp.headers.get("Transfer-Encoding") == "chunked" and not resp.compression
+            and "Content-Encoding" not in resp.headers)
+
+
+def _chunk(data: bytes) -> bytes:
+    """`data` as one HTTP/1.1 chunk (never empty: an empty chunk ends the body)."""
+    return b"%x\r\n%b\r\n" % (len(data), data)

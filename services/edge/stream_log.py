@@ -48,7 +48,7 @@ class Event:
 
 
 class StreamLog:
-    """One generation's events; `follow()` yields batches of them as they come."""
+    """One generation's events; its readers are `Follower`s (`follow()`)."""
 
     def __init__(self, stream_id: str, max_events: int, ttl: float, owner: str = ""):
         self.stream_id = stream_id
@@ -58,11 +58,12 @@ class StreamLog:
         self.events: list[str] = []
         self.first_seq = 1                      # the seq of events[0]
         self.finished_at: float | None = None
-        self._grew = asyncio.Event()            # replaced on every append
+        self._grew: asyncio.Event | None = None  # what waiting readers wait on
         # Keepalive: one timer per log wakes its readers every half keepalive
         # interval (not a timeout per reader per event, which cost 14 % of the
         # edge's CPU at 20,000 events/s).
         self._ticker: asyncio.TimerHandle | None = None
+        self._listeners: list = []              # see listen()
 
     @property
     def last_seq(self) -> int:
@@ -98,8 +99,11 @@ class StreamLog:
         return self.finished_at is not None and now - self.finished_at > self.ttl
 
     def _wake(self) -> None:
-        grew, self._grew = self._grew, asyncio.Event()
-        grew.set()
+        if (grew := self._grew) is not None:
+            self._grew = None
+            grew.set()
+        for listener in self._listeners:
+            listener()
 
     def check_position(self, after: int) -> None:
         """Raise if following from after `after` cannot give a gapless stream."""
@@ -110,38 +114,99 @@ class StreamLog:
             raise EventsGone(f"events up to {self.first_seq - 1} of this stream are no longer "
                              f"kept; resume after event {self.first_seq - 1} or later")
 
-    def follow(self, after: int = 0, idle: float | None = None) -> AsyncIterator[list[Event]]:
-        """Events after seq `after`, in batches, until the log finishes. With `idle`,
-        an empty batch comes after that many seconds without events (keepalive time).
-        A bad position raises here, before anything is read; a reader that later
-        falls so far behind that its next event is gone gets EventsGone."""
+    def follow(self, after: int = 0, idle: float | None = None) -> Follower:
+        """A reader of the events after seq `after` (see Follower). A bad position
+        raises here, before anything is read."""
         self.check_position(after)
-        return self._follow(after, idle)
+        return Follower(self, after, idle)
 
-    async def _follow(self, after: int, idle: float | None) -> AsyncIterator[list[Event]]:
-        loop = asyncio.get_running_loop()
-        if idle is not None and self._ticker is None and not self.finished:
-            self._tick(idle / 2)
-        last = loop.time()                      # when this reader last got anything
+    def listen(self, listener) -> None:
+        """Call `listener()` on every change: events appended, the log finished, and
+        the keepalive ticks of its readers. It runs inside the writer's call and must
+        not raise."""
+        self._listeners.append(listener)
+
+    def unlisten(self, listener) -> None:
+        self._listeners.remove(listener)
+
+
+class Follower:
+    """One reader's place in a log, from after seq `after`.
+
+    Iterate it (async) for batches of events as they come, until the log finishes;
+    with `idle`, an empty batch comes after that many seconds without events
+    (keepalive time). Or, while the reader keeps up, take what is new with `take()`
+    whenever the log calls a listener (`StreamLog.listen`): a socket writer does that
+    from the appending call itself, with no task woken per event. Either way the
+    place is the same, so a reader may switch between the two. A reader that falls
+    so far behind that its next event is gone gets EventsGone. `on_open` runs when
+    it is first read and `on_close` when it is closed after that (a reader that
+    never read is no reader)."""
+
+    __slots__ = ("log", "after", "idle", "_last", "_state", "on_open", "on_close")
+
+    def __init__(self, log: StreamLog, after: int, idle: float | None):
+        self.log, self.after, self.idle = log, after, idle
+        self._last = 0.0                        # loop.time() the reader last got anything
+        self._state = "new"                     # new | open | closed
+        self.on_open = self.on_close = lambda: None
+
+    def _open(self) -> None:
+        if self._state == "new":
+            self._state = "open"
+            self._last = asyncio.get_running_loop().time()
+            log = self.log
+            if self.idle is not None and log._ticker is None and not log.finished:
+                log._tick(self.idle / 2)
+            self.on_open()
+
+    def take(self) -> list[Event]:
+        """The events after the reader's place, now (maybe none); moves past them."""
+        self._open()
+        log = self.log
+        if self.after < log.first_seq - 1:
+            raise EventsGone(f"fell behind: events up to {log.first_seq - 1} are gone")
+        start = self.after - log.first_seq + 1
+        if start >= len(log.events):
+            return []
+        seq = self.after
+        batch = [Event(seq + i, d) for i, d in enumerate(log.events[start:], 1)]
+        self.after = batch[-1].seq
+        self._last = asyncio.get_running_loop().time()
+        return batch
+
+    def keepalive_due(self) -> bool:
+        """Whether the reader has been quiet for `idle` (it then counts as fed)."""
+        if self.idle is None:
+            return False
+        now = asyncio.get_running_loop().time()
+        if now - self._last < self.idle:
+            return False
+        self._last = now
+        return True
+
+    def __aiter__(self) -> Follower:
+        return self
+
+    async def __anext__(self) -> list[Event]:
+        if self._state == "closed":
+            raise StopAsyncIteration
+        log = self.log
         while True:
-            grew = self._grew
-            if after < self.first_seq - 1:
-                raise EventsGone(f"fell behind: events up to {self.first_seq - 1} are gone")
-            start = after - self.first_seq + 1
-            if start < len(self.events):
-                batch = [Event(self.first_seq + start + i, d)
-                         for i, d in enumerate(self.events[start:])]
-                after = batch[-1].seq
-                yield batch
-                last = loop.time()
-                continue
-            if self.finished:
-                return
-            if idle is not None and loop.time() - last >= idle:
-                yield []                        # quiet for `idle`: a keepalive
-                last = loop.time()
-                continue
-            await grew.wait()
+            if batch := self.take():
+                return batch
+            if log.finished:
+                raise StopAsyncIteration
+            if self.keepalive_due():
+                return []                       # quiet for `idle`: a keepalive
+            if log._grew is None:
+                log._grew = asyncio.Event()
+            await log._grew.wait()
+
+    async def aclose(self) -> None:
+        if self._state == "open":
+            self.on_close()
+        self._state = "closed"
 
 
 class StreamStore(Protocol):

@@ -133,28 +133,29 @@ class Streams:
 
     async def read(self, stream_id: str, after: int = 0, idle: float | None = None,
                    owner: str = "") -> AsyncIterator[list[Event]]:
-        """A reader from after event `after`. Raises StreamGone (also for another
-        key's stream), EventsGone or BadPosition (stream_log) before anything is read."""
+        """A reader from after event `after`: a Follower (stream_log) of the log when
+        the generation runs here. Raises StreamGone (also for another key's stream),
+        EventsGone or BadPosition (stream_log) before anything is read."""
         live = self.live.get(stream_id)
         if live is None or live.owner != owner:
             return await self.store.open(stream_id, after, idle, owner)
-        return self._counted(live, live.log.follow(after, idle))
+        follower = live.log.follow(after, idle)
+        follower.on_open = lambda: self._reader_came(live)
+        follower.on_close = lambda: self._reader_left(live)
+        return follower
 
-    async def _counted(self, live: LiveStream, reader: AsyncIterator[list[Event]]
-                       ) -> AsyncIterator[list[Event]]:
+    @staticmethod
+    def _reader_came(live: LiveStream) -> None:
         live.readers += 1
         if live._abandon is not None:
             live._abandon.cancel()
             live._abandon = None
-        try:
-            async with contextlib.aclosing(reader) as batches:
-                async for batch in batches:
-                    yield batch
-        finally:
-            live.readers -= 1
-            if live.readers == 0 and not live.log.finished:
-                live._abandon = asyncio.get_running_loop().call_later(
-                    self.resume_seconds, self._abandoned, live)
+
+    def _reader_left(self, live: LiveStream) -> None:
+        live.readers -= 1
+        if live.readers == 0 and not live.log.finished:
+            live._abandon = asyncio.get_running_loop().call_later(
+                self.resume_seconds, self._abandoned, live)
 
     def _abandoned(self, live: LiveStream) -> None:
         live._abandon = None

@@ -120,6 +120,49 @@ async def test_ten_readers_get_identical_events_and_a_stalled_one_is_cut(model_d
         assert stack.metrics.streams_cut.labels("sse")._value.get() == 1
 
 
+async def test_a_reader_that_pauses_gets_every_event_once_in_order(model_dir):
+    """A caught-up SSE reader is written from the log's appends (sse.pushed); one
+    that stops reading for a while backs its socket up, goes back to awaited writes,
+    catches up and is pushed to again: every event once, in order, and not cut."""
+    async with edge_stack(model_dir, rate=800.0, stream_stall_seconds=3.0,
+                          max_model_len=8192) as stack:
+        port = int(stack.url.rsplit(":", 1)[1])
+        body = json.dumps(stack.body(2400)).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Type: application/json\r\n"
+                                b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        raw, paused = b"", 0
+        while not raw.endswith(b"\r\n0\r\n\r\n"):
+            if paused < 3 and len(raw) > 20_000 * (paused + 1):
+                paused += 1
+                await asyncio.sleep(0.4)        # stop reading: the edge's writes back up
+            piece = await asyncio.wait_for(loop.sock_recv(sock, 4096), 10)
+            assert piece, "the edge closed the connection"
+            raw += piece
+        sock.close()
+        head, _, chunked = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower()
+        sid = next(line.split(b": ", 1)[1].decode() for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"x-pdserve-stream-id"))
+        text = b""
+        while chunked:                          # HTTP/1.1 chunks, parsed by hand
+            size, _, rest = chunked.partition(b"\r\n")
+            text, chunked = text + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+        events = parse_sse(text.decode())
+        assert paused == 3
+        assert [i for i, _ in events] == list(range(1, len(events) + 1))
+        assert events[-1][1] == "[DONE]" and len(read_stamps(text_of(events))) == 2400
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{stack.url}/v1/streams/{sid}") as r:
+                assert parse_sse(await r.text()) == events
+        assert stack.metrics.streams_cut.labels("sse")._value.get() == 0
+
+
 async def test_delete_cancels_at_once_and_a_drop_waits_for_resume(stack):
     async with aiohttp.ClientSession() as http:
         r = await http.post(f"{stack.url}/v1/completions", json=stack.body(2000))
@@ -227,3 +270,31 @@ async def test_a_generation_cancelled_before_it_ran_still_ends_its_stream():
     assert ended == [live] and live.ended == "cancelled"
     assert live.log.finished and live.log.events[-1] == "[DONE]"
     assert "stream_cancelled" in live.log.events[-2]
+
+
+async def test_a_follower_keeps_one_place_whether_it_awaits_or_takes():
+    """Awaited batches and take() advance the same place; the reader counts from its
+    first read to its close; a reader that fell behind the bounded log is told."""
+    from services.edge.stream_log import EventsGone, StreamLog
+    log, seen = StreamLog("str_x", max_events=4, ttl=1.0), []
+    follower = log.follow(0)
+    follower.on_open, follower.on_close = (lambda: seen.append("open"),
+                                           lambda: seen.append("close"))
+    log.listen(lambda: seen.append(log.last_seq))
+    assert seen == [] and follower.take() == [] and seen == ["open"]
+    log.append(["a", "b"])
+    assert [(e.seq, e.data) for e in await follower.__anext__()] == [(1, "a"), (2, "b")]
+    log.append(["c"])
+    assert [(e.seq, e.data) for e in follower.take()] == [(3, "c")]
+    waiting = asyncio.ensure_future(follower.__anext__())
+    await asyncio.sleep(0)
+    log.append(["d"])
+    assert [(e.seq, e.data) for e in await waiting] == [(4, "d")]
+    log.append(["e", "f", "g", "h", "i"])        # only the last 4 are kept: 6..9
+    with pytest.raises(EventsGone):
+        follower.take()
+    log.finish()
+    await follower.aclose()
+    await follower.aclose()
+    assert seen == ["open", 2, 3, 4, 9, 9, "close"]
+    assert [e.seq for e in await log.follow(5).__anext__()] == [6, 7, 8, 9]
