@@ -31,7 +31,7 @@ from . import openai_protocol as oai
 from .metrics import EdgeMetrics
 from . import sse, websocket
 from .admission import Admission, pool_capacity
-from .events import render
+from .events import Renderer
 from .keys import APIKey, KeyRing
 from .openapi import SPEC
 from .limits import RateLimits
@@ -212,8 +212,9 @@ def start_stream(request: web.Request, req: oai.CompletionRequest, stream: Gener
                  ) -> LiveStream:
     """Hand the generation to its stream: from now on it runs for the stream's
     readers, not for one connection."""
-    return request.app[STREAMS].start(stream, render(req.kind, req.include_usage, stream,
-                                                     req.model), owner=request[CALLER].key_id)
+    renderer = Renderer(req.kind, req.include_usage, stream, req.model)
+    return request.app[STREAMS].start(stream, renderer.payloads(), owner=request[CALLER].key_id,
+                                      step=renderer.payload)
 
 
 async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:

@@ -55,6 +55,9 @@ class BatchedLeg:
         self._end: object | tuple[grpc.StatusCode, str] | None = None
         self._waiter: asyncio.Future | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        # Takes an output synchronously while the reader waits with nothing queued
+        # (GenerationStream._steady); False hands it to the reader after all.
+        self.sink = None
 
     def __aiter__(self) -> BatchedLeg:
         return self
@@ -84,9 +87,24 @@ class BatchedLeg:
         return True
 
     def _push(self, response: vllm_engine_pb2.GenerateResponse) -> None:
-        if self._end is None:
-            self._outputs.append(response)
-            self._wake()
+        if self._end is not None:
+            return
+        waiter = self._waiter
+        if (self.sink is not None and waiter is not None and not waiter.done()
+                and not self._outputs):
+            # The reader is parked in __anext__ with everything before delivered, so
+            # taking this one here keeps the order, and saves waking it.
+            try:
+                if self.sink(response):
+                    return
+            except Exception:  # noqa: BLE001 (never break the shared call for the others)
+                log.exception("generation %s: taking an output failed", self.request_id)
+                self.sink = None
+                self._call.abort(self.request_id)
+                self._ended((grpc.StatusCode.INTERNAL, "the edge failed to take an output"))
+                return
+        self._outputs.append(response)
+        self._wake()
 
     def _ended(self, end) -> None:
         if self._end is None:

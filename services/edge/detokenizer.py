@@ -51,6 +51,10 @@ class TextStream:
             return self._take(len(self._text))
         return self._take(len(self._text) - self._holdback)
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._rule.stop)
+
     def finish(self) -> str:
         """The rest of the text once the engine has finished."""
         return self._take(len(self._text))

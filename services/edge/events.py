@@ -12,7 +12,7 @@ import time
 from typing import AsyncIterator
 
 from . import openai_protocol as oai
-from .generation import GenerationStream
+from .generation import Chunk, GenerationStream
 
 
 def payload(obj: dict) -> str:
@@ -35,39 +35,53 @@ def _text_template(chunk: dict) -> tuple[str, str]:
     return before, after
 
 
-async def render(kind: oai.Kind, include_usage: bool, stream: GenerationStream, model: str
-                 ) -> AsyncIterator[list[str]]:
-    """Payload batches as the decode worker's chunks arrive: one per chunk with
-    text, then the finish chunk (and usage when asked). APIError propagates."""
-    rid, created = stream.gen.request_id, int(time.time())
+class Renderer:
+    """One generation's chunks as payload batches: one per chunk with text, then
+    the finish chunk (and usage when asked). `payload()` is the step for one chunk,
+    which a caller may take synchronously (GenerationStream.on_chunk); `payloads()`
+    iterates the stream's chunks through the same step."""
 
-    def event(text: str | None = None, finish: str | None = None) -> str:
-        if kind == "chat":
-            return payload(oai.chat_chunk(rid, model, created, content=text, finish_reason=finish))
-        return payload(oai.completion_chunk(rid, model, created, text=text or "",
-                                            finish_reason=finish))
+    def __init__(self, kind: oai.Kind, include_usage: bool, stream: GenerationStream,
+                 model: str):
+        self.kind, self.include_usage, self.stream, self.model = kind, include_usage, stream, model
+        self.rid, self.created = stream.gen.request_id, int(time.time())
+        rid, created = self.rid, self.created
+        self._before, self._after = _text_template(
+            oai.chat_chunk(rid, model, created, content=_HOLE) if kind == "chat"
+            else oai.completion_chunk(rid, model, created, text=_HOLE))
+        # Chat opens with the assistant's role. It goes out with the first text, as
+        # vLLM's server sends it (with its first output), not before: an empty
+        # event ahead of the first token would only make the stream look faster
+        # to a client that times its first event.
+        self._opening = ([payload(oai.chat_chunk(rid, model, created, role="assistant",
+                                                 content=""))]
+                         if kind == "chat" else [])
 
-    before, after = _text_template(
-        oai.chat_chunk(rid, model, created, content=_HOLE) if kind == "chat"
-        else oai.completion_chunk(rid, model, created, text=_HOLE))
+    def payload(self, chunk: Chunk) -> list[str]:
+        """The payloads of one chunk (none for a chunk without text)."""
+        if not chunk.text:
+            return []
+        out = self._opening + [self._before + json.dumps(chunk.text) + self._after]
+        self._opening = []
+        return out
 
-    # Chat opens with the assistant's role. It goes out with the first text, as
-    # vLLM's server sends it (with its first output), not before: an empty
-    # event ahead of the first token would only make the stream look faster
-    # to a client that times its first event.
-    opening = ([payload(oai.chat_chunk(rid, model, created, role="assistant", content=""))]
-               if kind == "chat" else [])
-    async with contextlib.aclosing(stream.chunks()) as chunks:
-        async for chunk in chunks:
-            if chunk.text:
-                yield opening + [before + json.dumps(chunk.text) + after]
-                opening = []
-    last = opening + [event(None if kind == "chat" else "", stream.finish_reason or "stop")]
-    if include_usage:
-        last.append(payload(oai.usage_chunk(kind, rid, model, created,
-                                            len(stream.gen.prompt_token_ids),
-                                            stream.completion_tokens)))
-    yield last
+    async def payloads(self) -> AsyncIterator[list[str]]:
+        """Payload batches as the decode worker's chunks arrive. APIError propagates."""
+        stream, rid, created, model = self.stream, self.rid, self.created, self.model
+        async with contextlib.aclosing(stream.chunks()) as chunks:
+            async for chunk in chunks:
+                if out := self.payload(chunk):
+                    yield out
+        finish = stream.finish_reason or "stop"
+        last = self._opening + [
+            payload(oai.chat_chunk(rid, model, created, content=None, finish_reason=finish))
+            if self.kind == "chat" else
+            payload(oai.completion_chunk(rid, model, created, text="", finish_reason=finish))]
+        if self.include_usage:
+            last.append(payload(oai.usage_chunk(self.kind, rid, model, created,
+                                                len(stream.gen.prompt_token_ids),
+                                                stream.completion_tokens)))
+        yield last
 
 
 async def render_inference(stream: GenerationStream) -> AsyncIterator[list[str]]:

@@ -42,6 +42,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from pdserve import telemetry
 from pdserve.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
 
+from .batched import BatchedLeg
 from .detokenizer import TextStream
 from .engine_requests import decode_request
 from .openai_protocol import APIError
@@ -173,6 +174,11 @@ class GenerationStream:
     failed: dict[str, float] = field(default_factory=dict)  # worker id -> when it failed us
     aborts: set = field(default_factory=set)    # in-flight Abort calls (kept referenced)
     heard: Heard = field(default_factory=Heard)  # shared by the edge's generations
+    # The reader's step for one chunk, if it has one it can take synchronously (the
+    # stream log's renderer): then a batched leg hands this stream its steady outputs
+    # (neither the leg's first nor its last) from the call that read them, and no
+    # task wakes per token (`_steady`).
+    on_chunk: Callable[[Chunk], None] | None = None
     _last_output: float = 0.0                   # loop.time() of the leg's last output
     _last_token_at: float = 0.0                 # perf_counter() of the last output with tokens
     _stalled: bool = False
@@ -248,21 +254,13 @@ class GenerationStream:
                         self._first_chunk(c.cached_tokens)
                 if not c.token_ids:
                     continue
-                now = time.perf_counter()
-                if self.first_token_at is None:
-                    self.first_token_at = now
-                else:
-                    self.token_gaps.append(now - self._last_token_at)
-                self._last_token_at = now
-                ids = list(c.token_ids)         # read out of the message once
-                self.output_ids += ids
-                text = self.text.add(ids)
-                if self.text.stop_string is not None:
-                    # The edge saw the stop string first: end here.
-                    self.finish_reason = "stop"
-                    yield Chunk(ids, text, "stop")
-                    return
-                yield Chunk(ids, text)
+                chunk = self._tokens(c)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return                      # the edge saw the stop string first
+                if (self.on_chunk is not None and isinstance(call, BatchedLeg)
+                        and not self.text.has_stop_strings):
+                    call.sink = self._steady
             if self.finish_reason is not None:
                 yield Chunk([], self.text.finish(), self.finish_reason)
         except asyncio.CancelledError as e:
@@ -285,6 +283,37 @@ class GenerationStream:
             self._watchdog.cancel()
             call.cancel()                       # a no-op once the call has ended
             telemetry.end(span, error, pdserve__decode__tokens=len(self.output_ids) - sent)
+
+    def _tokens(self, c) -> Chunk:
+        """A decode chunk's tokens taken into the stream: timings, ids, text."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.token_gaps.append(now - self._last_token_at)
+        self._last_token_at = now
+        ids = list(c.token_ids)                 # read out of the message once
+        self.output_ids += ids
+        text = self.text.add(ids)
+        if self.text.stop_string is not None:
+            self.finish_reason = "stop"         # the edge saw the stop string: it ends here
+            return Chunk(ids, text, "stop")
+        return Chunk(ids, text)
+
+    def _steady(self, resp: vllm_engine_pb2.GenerateResponse) -> bool:
+        """An output of the current batched leg, handed over by the call's reader
+        while this stream's task waits for it (BatchedLeg.sink): taken here, as
+        `_leg_chunks` would take it, if it carries tokens or nothing; False (left to
+        the task) for the leg's last message. Only set once the leg has started and
+        the first token is out, and only without stop strings (those end the leg
+        from the task)."""
+        if not resp.HasField("chunk"):
+            return False
+        self._last_output = self.heard.at[self.leg.worker_id] = \
+            asyncio.get_running_loop().time()
+        if resp.chunk.token_ids:
+            self.on_chunk(self._tokens(resp.chunk))
+        return True
 
     def close(self) -> None:
         """End the prefill's lease if the decode never pulled it (the request ended

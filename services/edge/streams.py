@@ -23,7 +23,7 @@ from typing import AsyncIterator, Callable
 
 from . import openai_protocol as oai
 from .events import error_payload
-from .generation import GenerationStream
+from .generation import Chunk, GenerationStream
 from .stream_log import DONE, Event, MemoryStreams, StreamLog, StreamStore
 
 log = logging.getLogger("pdserve.edge")
@@ -78,11 +78,22 @@ class Streams:
                                                                    "edge replica")
 
     def start(self, generation: GenerationStream, payloads: AsyncIterator[list[str]],
-              owner: str = "") -> LiveStream:
+              owner: str = "", step: Callable[[Chunk], list[str]] | None = None
+              ) -> LiveStream:
         """Run the generation in its own task; its events go to a new log that only
-        `owner` (a key id) may read or cancel."""
+        `owner` (a key id) may read or cancel. `payloads` renders the generation's
+        chunks; `step`, when given, is its step for one chunk, which the generation
+        may then take synchronously (GenerationStream.on_chunk: a steady output goes
+        to the log from the call that read it, no task woken for it)."""
         sid = new_stream_id()
         live = LiveStream(sid, self.store.create(sid, owner), generation)
+        if step is not None:
+            store, log = self.store, live.log
+
+            def on_chunk(chunk: Chunk) -> None:
+                if out := step(chunk):
+                    store.append(log, out)
+            generation.on_chunk = on_chunk
         live.task = asyncio.create_task(self._produce(live, payloads), name=f"stream-{sid}")
         # A task cancelled before its first step never runs its body: end it here then.
         live.task.add_done_callback(lambda task: self._ended(live))

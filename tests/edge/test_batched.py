@@ -43,6 +43,10 @@ async def test_concurrent_streams_share_one_call_and_its_messages(model_dir):
         # streams that coincide do too.
         assert batched.outputs == 40 * (30 + 1 + 1)
         assert batched.messages <= batched.outputs - 2 * 40, (batched.messages, batched.outputs)
+        # Outputs the call's reader takes itself (GenerationStream._steady) are counted
+        # as the stream's task counts them: a gap for every output after the first.
+        itl = stack.metrics.itl.labels(stack.model, "local")
+        assert sum(b.get() for b in itl._buckets) == 40 * 29
 
 
 async def test_a_deleted_stream_stops_on_the_engine_at_once(model_dir):
@@ -108,3 +112,47 @@ async def test_the_first_legs_on_a_worker_get_calls_of_their_own(model_dir):
             assert events[-1][1] == "[DONE]" and len(_texts(events).split()) in (10, 40)
         assert stack.engine.batched.calls == 1
         assert stack.engine.batched.outputs == 4 * (10 + 1 + 1)   # the four late legs only
+
+
+async def test_a_leg_hands_outputs_to_its_sink_only_in_order():
+    """BatchedLeg.sink takes an output only while the reader waits with nothing queued;
+    an output it declines, or any output behind a queued one, goes to the reader; a
+    sink that fails ends its own leg (INTERNAL), not the shared call."""
+    import grpc
+    from smg_grpc_proto import vllm_engine_pb2
+
+    from services.edge.batched import BatchedLeg
+
+    class Call:
+        legs, aborted = {}, []
+
+        def abort(self, rid):
+            self.aborted.append(rid)
+
+    def out(i: int):
+        return vllm_engine_pb2.GenerateResponse(
+            chunk=vllm_engine_pb2.GenerateStreamChunk(token_ids=[i]))
+
+    taken, call = [], Call()
+    leg = BatchedLeg(call, "r1")
+    leg.sink = lambda resp: resp.chunk.token_ids[0] % 2 == 0 and not taken.append(resp)
+    leg._push(out(0))                   # the reader is not waiting yet: queued
+    assert [r.chunk.token_ids[0] for r in [await leg.__anext__()]] == [0] and not taken
+    reading = asyncio.ensure_future(leg.__anext__())
+    await asyncio.sleep(0)
+    leg._push(out(2))                   # taken by the sink; the reader sleeps on
+    leg._push(out(3))                   # declined: the reader gets it
+    leg._push(out(4))                   # queued behind 3: not the sink's
+    assert [r.chunk.token_ids[0] for r in taken] == [2]
+    assert (await reading).chunk.token_ids[0] == 3
+    assert (await leg.__anext__()).chunk.token_ids[0] == 4
+    reading = asyncio.ensure_future(leg.__anext__())
+    await asyncio.sleep(0)
+    leg.sink = lambda resp: 1 / 0
+    leg._push(out(6))
+    try:
+        await reading
+        raise AssertionError("the leg should have failed")
+    except grpc.aio.AioRpcError as e:
+        assert e.code() == grpc.StatusCode.INTERNAL
+    assert call.aborted == ["r1"]
