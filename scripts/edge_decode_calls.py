@@ -8,6 +8,12 @@ only the edges can differ). Prints one JSON object.
 
 `--stack-edge` says which mode the `pdserve up` edge runs (the other edge is
 started beside it), to tell the mode from which edge came first.
+
+`--beside-tree PATH` pairs two versions of the code instead: the edge beside runs
+the same mode from another checkout (e.g. `git worktree add /tmp/base <commit>`),
+and the result's edges are `this_tree` and `beside_tree`.
+
+    .venv/bin/python scripts/edge_decode_calls.py --reps 4 --beside-tree /tmp/base
 """
 from __future__ import annotations
 
@@ -33,9 +39,12 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1.0)
     p.add_argument("--stack-edge", choices=MODES, default="per-request")
     p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--beside-tree", help="run the edge beside from this checkout, same mode")
     a = p.parse_args()
     model = os.path.abspath(a.model)
-    other = MODES[1 - MODES.index(a.stack_edge)]
+    other = a.stack_edge if a.beside_tree else MODES[1 - MODES.index(a.stack_edge)]
+    names = ("this_tree", "beside_tree") if a.beside_tree else (a.stack_edge, other)
+    tree = os.path.abspath(a.beside_tree) if a.beside_tree else None
     hw = Hardware(units=tuple(sorted(os.sched_getaffinity(0))))
     # Every prompt prefilled remotely, as in `pdserve bench gateways`.
     stack = PdserveStack("decode-calls", model, 0, hw,
@@ -49,21 +58,26 @@ def main() -> None:
         beside.start([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "edge",
                       "--port", str(port), "--grpc-port", str(free_port()),
                       "--router", f"127.0.0.1:{stack.ports['router']}", "--model", model,
-                      "--max-model-len", str(hw.max_model_len), "--decode-calls", other], {})
+                      "--max-model-len", str(hw.max_model_len), "--decode-calls", other],
+                     {"PYTHONPATH": tree} if tree else {}, cwd=tree)
         second = f"http://127.0.0.1:{port}"
         beside.wait_healthy([second + "/health"])
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model)
-        edges = {a.stack_edge: ([first], edge), other: ([second], [beside.procs[0][0].pid])}
+        edges = {names[0]: ([first], edge), names[1]: ([second], [beside.procs[0][0].pid])}
         res = asyncio.run(_runs(edges, model, tokenizer, a.requests, a.rate, a.reps, 0))
     finally:
         beside.stop()
         stack.stop()
-    cpu = {m: res[m]["gateway_cpu_ms_per_request"] for m in MODES}
-    print(json.dumps({"stack_edge": a.stack_edge, "rate": a.rate, "requests": a.requests,
-                      "reps": a.reps, "edges": res,
-                      "edge_cpu_batched_over_per_request":
-                          round(cpu["batched"] / cpu["per-request"], 3)}))
+    cpu = {m: res[m]["gateway_cpu_ms_per_request"] for m in names}
+    out = {"stack_edge": a.stack_edge, "rate": a.rate, "requests": a.requests, "reps": a.reps,
+           "edges": res}
+    if tree:
+        out |= {"beside_tree": tree, "edge_cpu_this_over_beside":
+                round(cpu["this_tree"] / cpu["beside_tree"], 3)}
+    else:
+        out["edge_cpu_batched_over_per_request"] = round(cpu["batched"] / cpu["per-request"], 3)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

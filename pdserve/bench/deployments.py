@@ -137,12 +137,13 @@ class _Children:
         self.label = label
         self.procs: list[tuple[subprocess.Popen, Path]] = []
 
-    def start(self, cmd: list[str], env: dict[str, str], cores: list[int] | None = None) -> None:
+    def start(self, cmd: list[str], env: dict[str, str], cores: list[int] | None = None,
+              cwd: str | None = None) -> None:
         log = Path(tempfile.mkstemp(prefix=f"pdserve-bench-{self.label}-", suffix=".log")[1])
         with open(log, "w") as out:
             p = subprocess.Popen(
                 cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, cwd=cwd,
                 preexec_fn=(lambda: os.sched_setaffinity(0, set(cores))) if cores else None)
         self.procs.append((p, log))
 

@@ -16,7 +16,10 @@ ends, or raises `grpc.aio.AioRpcError` with the generation's status (the
 shared call failing is UNAVAILABLE for every generation on it, so each moves
 to another worker as it would when its own call broke); `cancel()` makes the
 iteration raise `CancelledError` and aborts the generation on the worker; the
-deadline holds on this side too.
+deadline holds on this side too. A leg with a `sink` (GenerationStream._steady)
+hands it each output that arrives while its reader waits with nothing queued:
+the stream takes it in this call's reader task, so a token costs no task
+wake-up between the shared call and the client's socket (sse.pushed).
 """
 from __future__ import annotations
 

@@ -11,10 +11,12 @@ the other readers never wait for it.
 
 A reader of a log that lives in this process, once it has caught up, is
 written from the log's own append (`pushed`): the event goes to the socket in
-the call that produced it, with no task woken per event. That took the edge's
-CPU per token at 1,000 streams x 20 tokens/s from 57 to 48 us (bench/README.md). The first time
-the socket is backed up (or the reader was stopped for a moment), the relay
-goes back to awaiting its writes, with the stall timer, from where it was.
+the call that produced it, with no task woken per event (below saturation,
+1,000 streams x 10 tokens/s, that and the batched legs' sink cut the edge's
+CPU per token by 12-20%, bench/README.md). The first time the socket has bytes
+queued (or the reader fell behind the bounded log), the relay goes back to
+awaiting its writes, with the stall timer, from the same place, and is pushed
+to again once it has caught up.
 """
 from __future__ import annotations
 
