@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from aiohttp import web
 
-from .stream_log import EventsGone, Event, Follower
+from .stream_log import DONE, EventsGone, Event, Follower
 
 if TYPE_CHECKING:
     from .streams import LiveStream
@@ -111,9 +111,14 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
             if not await within_stall(request, resp.write(data), stall_seconds):
                 on_cut()
                 return resp
-            if (isinstance(reader, Follower) and not hint and _chunked(resp)
-                    and await pushed(request, reader, render)):
-                break
+            if isinstance(reader, Follower) and not hint and _chunked(resp):
+                last = await pushed(request, reader, render)
+                if last is not None:
+                    # The stream's last events and the body's end in one write, in
+                    # this step: a client that hangs up at [DONE] finds a finished
+                    # response (200), not a write to a closed socket.
+                    await resp.write_eof(render(last) if last else b"")
+                    return resp
     if not resp.prepared:
         # Nothing after the client's Last-Event-ID, and the stream is over: 204
         # tells an EventSource to stop reconnecting.
@@ -122,12 +127,13 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
     return resp
 
 
-async def pushed(request: web.Request, follower: Follower, render) -> bool:
+async def pushed(request: web.Request, follower: Follower, render) -> list[Event] | None:
     """Write the follower's new events to the socket from the log's own calls, as
     HTTP chunks (the response's headers are out, so the body is the transport's),
-    until the log finishes and all of it is written (True), or the socket has
-    bytes queued or the reader fell behind the bounded log (False: the caller goes
-    on awaiting its writes, from the follower's place)."""
+    until its last events come ([DONE], or the log finished): those it returns,
+    for the caller to write with the body's end. None when the socket has bytes
+    queued or the reader fell behind the bounded log: the caller goes on awaiting
+    its writes, from the follower's place."""
     transport = request.transport
     woken = asyncio.get_running_loop().create_future()
 
@@ -138,15 +144,18 @@ async def pushed(request: web.Request, follower: Follower, render) -> bool:
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("the client went away")
             if transport.get_write_buffer_size():
-                woken.set_result(False)
+                woken.set_result(None)
             elif batch := follower.take():
-                transport.write(_chunk(render(batch)))
+                if batch[-1].data == DONE:
+                    woken.set_result(batch)
+                else:
+                    transport.write(_chunk(render(batch)))
             elif follower.log.finished:
-                woken.set_result(True)
+                woken.set_result([])
             elif follower.keepalive_due() and (data := render([])):
                 transport.write(_chunk(data))
         except EventsGone:
-            woken.set_result(False)         # the awaited path raises it
+            woken.set_result(None)          # the awaited path raises it
         except Exception as e:  # noqa: BLE001 (it runs in the log's writer: never raise there)
             woken.set_exception(e)
 

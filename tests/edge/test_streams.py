@@ -163,6 +163,32 @@ async def test_a_reader_that_pauses_gets_every_event_once_in_order(model_dir):
         assert stack.metrics.streams_cut.labels("sse")._value.get() == 0
 
 
+async def test_a_client_that_hangs_up_at_done_got_a_whole_response(stack):
+    """The stream's last events go out with the body's end, in one write: a client
+    that resets the connection the moment it reads [DONE] got a complete response,
+    and the edge counts a 200, not a 499."""
+    import struct
+    port = int(stack.url.rsplit(":", 1)[1])
+    body = json.dumps(stack.body(20)).encode()
+
+    def hang_up_at_done() -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+            got = b""
+            while b"data: [DONE]" not in got:
+                got += sock.recv(65536)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return got
+
+    requests = stack.metrics.requests
+    for _ in range(5):
+        got = await asyncio.to_thread(hang_up_at_done)
+        assert got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), got[-60:]
+    await stack.until(lambda: requests.labels("/v1/completions", "local", "200")._value.get() == 5)
+    assert requests.labels("/v1/completions", "local", "499")._value.get() == 0
+
+
 async def test_delete_cancels_at_once_and_a_drop_waits_for_resume(stack):
     async with aiohttp.ClientSession() as http:
         r = await http.post(f"{stack.url}/v1/completions", json=stack.body(2000))
