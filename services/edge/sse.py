@@ -13,7 +13,7 @@ A reader of a log that lives in this process, once it has caught up, is
 written from the log's own append (`pushed`): the event goes to the socket in
 the call that produced it, with no task woken per event (below saturation,
 1,000 streams x 10 tokens/s, that and the batched legs' sink cut the edge's
-CPU per token by 12-20%, bench/README.md). The first time the socket has bytes
+CPU per token by 11-21%, bench/README.md). The first time the socket has bytes
 queued (or the reader fell behind the bounded log), the relay goes back to
 awaiting its writes, with the stall timer, from the same place, and is pushed
 to again once it has caught up.
@@ -94,6 +94,7 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
     resp = web.StreamResponse(headers={**headers, **HEADERS})
     render = plain_frame if plain else frame
     hint = not plain
+    pushable = False                        # a live log's reader, on a chunked body
     async with contextlib.aclosing(reader) as batches:
         async for batch in batches:
             if not resp.prepared:
@@ -105,13 +106,14 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
                     resp.headers["x-pdserve-path"] = live.generation.path
                 await resp.prepare(request)
                 bound_buffers(request)
+                pushable = isinstance(reader, Follower) and _chunked(resp)
             data = render(batch)
             if hint and batch:
                 data, hint = RETRY + data, False
             if not await within_stall(request, resp.write(data), stall_seconds):
                 on_cut()
                 return resp
-            if isinstance(reader, Follower) and not hint and _chunked(resp):
+            if pushable and not hint:
                 last = await pushed(request, reader, render)
                 if last is not None:
                     # The stream's last events and the body's end in one write, in

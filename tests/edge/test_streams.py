@@ -25,6 +25,12 @@ def text_of(events) -> str:
     return "".join(out)
 
 
+def _post(body: bytes) -> bytes:
+    """A raw HTTP/1.1 POST of a completion request (for clients on bare sockets)."""
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+
+
 @pytest.fixture
 async def stack(model_dir):
     async with edge_stack(model_dir, rate=200.0, stream_resume_seconds=1.0) as s:
@@ -133,9 +139,7 @@ async def test_a_reader_that_pauses_gets_every_event_once_in_order(model_dir):
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         await loop.sock_connect(sock, ("127.0.0.1", port))
-        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                                b"Content-Type: application/json\r\n"
-                                b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+        await loop.sock_sendall(sock, _post(body))
         raw, paused = b"", 0
         while not raw.endswith(b"\r\n0\r\n\r\n"):
             if paused < 3 and len(raw) > 20_000 * (paused + 1):
@@ -173,8 +177,7 @@ async def test_a_client_that_hangs_up_at_done_got_a_whole_response(stack):
 
     def hang_up_at_done() -> bytes:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                         b"application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+            sock.sendall(_post(body))
             got = b""
             while b"data: [DONE]" not in got:
                 got += sock.recv(65536)
