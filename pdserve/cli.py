@@ -313,6 +313,21 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+# gRPC's sockets, in a gateway process (edge, router), are polled by the thread that
+# waits on grpc.aio's completion queue (gRPC's iomgr), not by EventEngine's own I/O
+# threads. With EventEngine every streamed message wakes three threads in turn (an
+# I/O thread reads it, grpc.aio's poller thread takes the completion, the event loop
+# runs it); without it, two. On this VM a wake-up is what a streamed token costs:
+# the edge's CPU per request at 1 req/s read 0.84x (bench/README, "gRPC's transport
+# in the gateway"). An operator's own GRPC_EXPERIMENTS is kept.
+GATEWAY_GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
+
+
+def _gateway_grpc_env() -> None:
+    """Before grpc is imported: gRPC reads its experiments once, at start-up."""
+    os.environ.setdefault("GRPC_EXPERIMENTS", GATEWAY_GRPC_EXPERIMENTS)
+
+
 def _tracing(command: str) -> None:
     """Tracing from the OTEL_* environment: after pinning (the exporter's thread keeps
     the process's cores) and before any gRPC server or channel exists."""
@@ -394,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
         print(ensure_tiny_model(Path(a.out), seed=a.seed))
     elif a.command == "router":
         _pin(a.cpus)
+        _gateway_grpc_env()
         _tracing(a.command)
         from services.router.server import serve
         _run(serve(cfg))
@@ -404,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         _run(serve_worker(cfg))
     elif a.command == "edge":
         _pin(a.cpus)
+        _gateway_grpc_env()
         _tracing(a.command)
         from services.edge.server import serve
         _run(serve(cfg))

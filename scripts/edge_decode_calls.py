@@ -14,6 +14,13 @@ the same mode from another checkout (e.g. `git worktree add /tmp/base <commit>`)
 and the result's edges are `this_tree` and `beside_tree`.
 
     .venv/bin/python scripts/edge_decode_calls.py --reps 4 --beside-tree /tmp/base
+
+`--beside-env NAME=VALUE` (repeatable) pairs two environments of this checkout: the
+edge beside runs the same mode with these variables set, and the result's edges are
+`up_edge` and `beside_env`. For example, gRPC's EventEngine I/O threads (the default
+before the edge turned them off) against the edge's own setting:
+
+    .venv/bin/python scripts/edge_decode_calls.py --reps 4 --beside-env GRPC_EXPERIMENTS=
 """
 from __future__ import annotations
 
@@ -40,10 +47,15 @@ def main() -> None:
     p.add_argument("--stack-edge", choices=MODES, default="per-request")
     p.add_argument("--model", default="models/tiny-llama")
     p.add_argument("--beside-tree", help="run the edge beside from this checkout, same mode")
+    p.add_argument("--beside-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="run the edge beside with this variable set, same mode")
     a = p.parse_args()
+    env = dict(v.split("=", 1) for v in a.beside_env)
     model = os.path.abspath(a.model)
-    other = a.stack_edge if a.beside_tree else MODES[1 - MODES.index(a.stack_edge)]
-    names = ("this_tree", "beside_tree") if a.beside_tree else (a.stack_edge, other)
+    paired = a.beside_tree or env
+    other = a.stack_edge if paired else MODES[1 - MODES.index(a.stack_edge)]
+    names = (("this_tree", "beside_tree") if a.beside_tree else
+             ("up_edge", "beside_env") if env else (a.stack_edge, other))
     tree = os.path.abspath(a.beside_tree) if a.beside_tree else None
     hw = Hardware(units=tuple(sorted(os.sched_getaffinity(0))))
     # Every prompt prefilled remotely, as in `pdserve bench gateways`.
@@ -59,7 +71,7 @@ def main() -> None:
                       "--port", str(port), "--grpc-port", str(free_port()),
                       "--router", f"127.0.0.1:{stack.ports['router']}", "--model", model,
                       "--max-model-len", str(hw.max_model_len), "--decode-calls", other],
-                     {"PYTHONPATH": tree} if tree else {}, cwd=tree)
+                     {**env, **({"PYTHONPATH": tree} if tree else {})}, cwd=tree)
         second = f"http://127.0.0.1:{port}"
         beside.wait_healthy([second + "/health"])
         from transformers import AutoTokenizer
@@ -75,6 +87,9 @@ def main() -> None:
     if tree:
         out |= {"beside_tree": tree, "edge_cpu_this_over_beside":
                 round(cpu["this_tree"] / cpu["beside_tree"], 3)}
+    elif env:
+        out |= {"beside_env": env, "edge_cpu_up_over_beside":
+                round(cpu["up_edge"] / cpu["beside_env"], 3)}
     else:
         out["edge_cpu_batched_over_per_request"] = round(cpu["batched"] / cpu["per-request"], 3)
     print(json.dumps(out))

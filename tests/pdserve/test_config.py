@@ -80,3 +80,32 @@ def test_a_worker_runs_the_model_in_the_engine_core_on_one_cpu_rank(monkeypatch,
     engine = EngineConfig(model="m", device=device, tensor_parallel_size=tp)
     _engine_env(WorkerConfig(role="decode", engine=engine), cpus="")
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == expected
+
+
+@pytest.mark.parametrize("given,expected", [
+    (None, "-event_engine_client,-event_engine_listener"),   # the gateway's default
+    ("", ""),                                                 # an operator's choice is kept
+    ("-event_engine_dns", "-event_engine_dns"),
+])
+def test_a_gateway_process_reads_grpc_sockets_on_its_poller_thread(monkeypatch, given, expected):
+    from pdserve.cli import _gateway_grpc_env
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    os.environ.pop("GRPC_EXPERIMENTS", None)
+    if given is not None:
+        os.environ["GRPC_EXPERIMENTS"] = given
+    _gateway_grpc_env()
+    assert os.environ["GRPC_EXPERIMENTS"] == expected
+
+
+@pytest.mark.parametrize("argv", [["edge", "--router", "embedded"], ["router"]])
+def test_grpc_is_not_imported_before_a_gateway_sets_its_experiments(argv):
+    """gRPC reads GRPC_EXPERIMENTS once: the CLI must get as far as the command's
+    configuration without importing it, or the edge's setting would not apply."""
+    code = ("import sys, pdserve.cli as c\n"
+            f"a = c._parser().parse_args({argv!r})\n"
+            "c.telemetry.configure_logging(a.command, a.log_level, a.log_format)\n"
+            "c._config(a)\n"
+            "print(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
