@@ -78,3 +78,4 @@ def test_bench_gateways_measures_the_edge_and_smg_over_the_same_workers(smg, sta
     assert result["ratios"]["ttft_p50_ms_pdserve_over_smg"] > 0
     assert set(result["targets"]) == {"ttft_p50_le_smg", "ttft_p99_le_smg",
                                       "tpot_le_1.05x_smg", "cpu_le_1.5x_smg"}
+    assert result["targets_by_gateway"] == {"pdserve": result["targets"]}
