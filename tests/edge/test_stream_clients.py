@@ -75,9 +75,13 @@ es.onerror = () => { window.errors += 1; };
 
 
 async def _cutting_proxy(target_port: int, cut_after: int, seen: list[bytes]):
-    """A TCP proxy that drops the first stream read after `cut_after` response bytes
-    (the first stream read, not the first connection: the browser may ask for its
-    favicon first, or at the same time)."""
+    """A TCP proxy that drops the first stream read at the first HTTP chunk boundary
+    past `cut_after` response bytes (the first stream read, not the first connection:
+    the browser may ask for its favicon first). At a boundary, not inside a chunk:
+    a browser that arrives late gets the events so far as one chunk, and chromium
+    drops a chunk it got only part of, so a cut inside it would leave the browser
+    no event id to come back with (it then replays from the start: no gap, no
+    duplicate, but no Last-Event-ID to test)."""
     async def handle(reader, writer):
         up_r, up_w = await asyncio.open_connection("127.0.0.1", target_port)
         head = await reader.readuntil(b"\r\n\r\n")
@@ -85,18 +89,27 @@ async def _cutting_proxy(target_port: int, cut_after: int, seen: list[bytes]):
         seen.append(head)
         up_w.write(head)
 
-        async def pipe(src, dst, limit=None):
-            sent = 0
+        async def pipe(src, dst):
             try:
                 while data := await src.read(4096):
                     dst.write(data)
-                    sent += len(data)
-                    if limit is not None and sent >= limit:
-                        break
             finally:
                 dst.close()
-                src.feed_eof() if hasattr(src, "feed_eof") else None
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer, cut_after if first else None),
+
+        async def cut(src, dst):
+            try:
+                dst.write(await src.readuntil(b"\r\n\r\n"))     # the response's head
+                sent = 0
+                while sent < cut_after:
+                    size = await src.readuntil(b"\r\n")
+                    chunk = await src.readexactly(int(size, 16) + 2)
+                    dst.write(size + chunk)
+                    sent += len(size) + len(chunk)
+                    if size.strip() == b"0":
+                        return                              # the body ended first
+            finally:
+                dst.close()
+        await asyncio.gather(pipe(reader, up_w), cut(up_r, writer) if first else pipe(up_r, writer),
                              return_exceptions=True)
         up_w.close()
         writer.close()
@@ -114,11 +127,12 @@ async def test_browser_eventsource_resumes_by_itself_after_a_drop(model_dir, tmp
     (tmp_path / "keys").write_text(f"{key} web normal\n")
     async with edge_stack(model_dir, rate=100.0, stream_resume_seconds=10.0,
                           api_keys_file=str(tmp_path / "keys")) as stack:
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"{stack.url}/v1/completions", json=stack.body(120),
-                                 headers={"Authorization": f"Bearer {key}"}) as r:
-                sid, token = r.headers["x-pdserve-stream-id"], r.headers["x-pdserve-stream-token"]
-        events, errors, seen = await _follow_in_a_browser(stack, sid, token)
+        async def start() -> tuple[str, str]:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{stack.url}/v1/completions", json=stack.body(120),
+                                     headers={"Authorization": f"Bearer {key}"}) as r:
+                    return r.headers["x-pdserve-stream-id"], r.headers["x-pdserve-stream-token"]
+        events, errors, seen = await _follow_in_a_browser(stack, start)
     ids = [int(i) for i, _ in events]
     assert ids == list(range(1, len(ids) + 1)), "a gap or a duplicate"
     text = "".join(json.loads(d)["choices"][0]["text"] for _, d in events if d != "[DONE]")
@@ -130,8 +144,10 @@ async def test_browser_eventsource_resumes_by_itself_after_a_drop(model_dir, tmp
     assert all(b"token=" in h and b"authorization" not in h.lower() for h in seen)
 
 
-async def _follow_in_a_browser(stack, sid: str, token: str):
-    """The page's events and errors, and every request head the browser sent."""
+async def _follow_in_a_browser(stack, start):
+    """The page's events and errors, and every request head the browser sent. The
+    stream is started (`start()` -> its id and read token) once the browser is up,
+    so that the page follows it live and the cut comes mid-stream."""
     from playwright.async_api import async_playwright
     seen: list[bytes] = []
     edge_port = int(stack.url.rsplit(":", 1)[1])
@@ -142,6 +158,7 @@ async def _follow_in_a_browser(stack, sid: str, token: str):
             browser = await pw.chromium.launch(executable_path=shutil.which("chromium"),
                                                args=["--no-sandbox"])
             page = await browser.new_page()
+            sid, token = await start()
             await page.route(f"{origin}/page", lambda route: route.fulfill(
                 body=PAGE.replace("SID", sid).replace("TOKEN", token), content_type="text/html"))
             await page.goto(f"{origin}/page")
