@@ -78,10 +78,10 @@ async def _cutting_proxy(target_port: int, cut_after: int, seen: list[bytes]):
     """A TCP proxy that drops the first stream read at the first HTTP chunk boundary
     past `cut_after` response bytes (the first stream read, not the first connection:
     the browser may ask for its favicon first). At a boundary, not inside a chunk:
-    a browser that arrives late gets the events so far as one chunk, and chromium
-    drops a chunk it got only part of, so a cut inside it would leave the browser
-    no event id to come back with (it then replays from the start: no gap, no
-    duplicate, but no Last-Event-ID to test)."""
+    a reader that arrives late gets the events so far as one chunk, and chromium,
+    cut inside it, was seen to dispatch none of it and so had no event id to come
+    back with (it replayed from the start: no gap, no duplicate, but no
+    Last-Event-ID to test)."""
     async def handle(reader, writer):
         up_r, up_w = await asyncio.open_connection("127.0.0.1", target_port)
         head = await reader.readuntil(b"\r\n\r\n")
