@@ -123,7 +123,12 @@ def stack(model_dir, reference) -> Stack:
                             "--local-cached-fraction", "1", "--prefill-saturated", "0",
                             # Batched decode calls (the default, named here because
                             # tests/e2e/test_batched_decode.py checks them on this stack).
-                            "--decode-calls", "batched"),
+                            "--decode-calls", "batched",
+                            # A client that drops keeps its generation for this long in
+                            # case it resumes (5 s by default). 1 s, so that the
+                            # disconnect test sees the abort well before its long
+                            # generation ends: 1,500 tokens take about 4 s here.
+                            "--stream-resume-seconds", "1"),
                 env=tracing, name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",

@@ -32,6 +32,13 @@ def test_health_reports_every_worker_serving(stack):
 
 
 def test_metrics_are_prometheus_text(stack):
+    # One request first: a histogram has no buckets until something is observed,
+    # and this test may be the first of the session to touch the stack.
+    req = urllib.request.Request(f"{stack.url}/v1/completions", data=json.dumps(
+        {"model": stack.model, "prompt": "the dog", "max_tokens": 2}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
     status, body, headers = _get(stack, "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     for name in ("pdserve:requests_total", "pdserve:time_to_first_token_seconds_bucket",
@@ -46,8 +53,9 @@ def _running(stack) -> float:
 
 
 def test_client_disconnect_mid_stream_ends_the_request(stack):
-    """Read a few SSE events of a long generation, hang up; the edge must end the
-    request (and cancel decode) instead of generating on for nobody."""
+    """Read a few SSE events of a long generation, hang up; once the resume window
+    (1 s on this stack) passes with nobody back, the edge must end the request (and
+    cancel decode) instead of generating on for nobody."""
     host, port = stack.url.removeprefix("http://").split(":")
     body = json.dumps({"model": stack.model, "prompt": "the dog " * 40, "max_tokens": 1500,
                        "ignore_eos": True, "stream": True}).encode()
@@ -69,7 +77,8 @@ def test_client_disconnect_mid_stream_ends_the_request(stack):
     pattern = re.compile(rf"generate {rid} on decode\S* cancelled after (\d+) tokens")
     while not (hits := [m for line in stack.proc.lines if (m := pattern.search(line))]) \
             or not any(f"abort {rid} on decode" in line for line in stack.proc.lines):
-        assert time.monotonic() < deadline, "decode worker never logged the cancellation/abort"
+        assert time.monotonic() < deadline, "decode worker never logged the cancellation/abort:\n" \
+            + "\n".join(line for line in stack.proc.lines if rid in line)
         time.sleep(0.2)
     assert 3 <= int(hits[0].group(1)) < 1500
     assert time.monotonic() - started < 20
