@@ -7,6 +7,8 @@ import socket
 import time
 import urllib.request
 
+from conftest import _post
+
 
 def _get(stack, path: str) -> tuple[int, str, dict]:
     with urllib.request.urlopen(f"{stack.url}{path}", timeout=10) as r:
@@ -34,11 +36,9 @@ def test_health_reports_every_worker_serving(stack):
 def test_metrics_are_prometheus_text(stack):
     # One request first: a histogram has no buckets until something is observed,
     # and this test may be the first of the session to touch the stack.
-    req = urllib.request.Request(f"{stack.url}/v1/completions", data=json.dumps(
-        {"model": stack.model, "prompt": "the dog", "max_tokens": 2}).encode(),
-        headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        assert r.status == 200
+    # (_post raises on any status but 2xx.)
+    assert _post(f"{stack.url}/v1/completions",
+                 {"model": stack.model, "prompt": "the dog", "max_tokens": 2})["choices"]
     status, body, headers = _get(stack, "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     for name in ("pdserve:requests_total", "pdserve:time_to_first_token_seconds_bucket",
