@@ -83,6 +83,17 @@ async def within_stall(request: web.Request, write, stall_seconds: float) -> boo
         return False
 
 
+class EventStreamResponse(web.StreamResponse):
+    """A streamed response whose headers go out with its first bytes, in one write
+    (aiohttp's `web.Response` does so; a `StreamResponse` sends them on their own at
+    `prepare()`). `relay` prepares it only when it has an event to write, so this
+    takes one socket write, and one wake-up of the client, off every stream's first
+    event. (A private attribute of aiohttp's; without it the headers simply go out
+    on their own again.)"""
+
+    _send_headers_immediately = False
+
+
 async def relay(request: web.Request, reader: AsyncIterator[list[Event]], headers: dict, *,
                 stall_seconds: float, live: LiveStream | None = None,
                 on_cut=lambda: None, plain: bool = False) -> web.StreamResponse:
@@ -91,7 +102,7 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
     failure before any output raises as an HTTP error instead. `plain`: OpenAI's
     framing, no `id:`, `retry:` or comments (for clients that read `data:` lines
     only; the reader then has no keepalive either)."""
-    resp = web.StreamResponse(headers={**headers, **HEADERS})
+    resp = EventStreamResponse(headers={**headers, **HEADERS})
     render = plain_frame if plain else frame
     hint = not plain
     pushable = False                        # a live log's reader, on a chunked body

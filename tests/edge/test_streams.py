@@ -192,6 +192,25 @@ async def test_a_client_that_hangs_up_at_done_got_a_whole_response(stack):
     assert requests.labels("/v1/completions", "local", "499")._value.get() == 0
 
 
+async def test_the_headers_and_the_first_event_arrive_in_one_write(stack):
+    """The response's head waits for the first event and goes out in the same write:
+    the client's first read holds both (two writes would wake it for the head alone)."""
+    port = int(stack.url.rsplit(":", 1)[1])
+    body = json.dumps(stack.body(20)).encode()
+
+    def first_read() -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(_post(body))
+            return sock.recv(65536)
+
+    for _ in range(5):
+        got = await asyncio.to_thread(first_read)
+        assert got.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in got, got[:80]
+        head, first = got.split(b"\r\n\r\n", 1)
+        assert b"text/event-stream" in head.lower()
+        assert b"\nid: 1\ndata: {" in first, got
+
+
 async def test_delete_cancels_at_once_and_a_drop_waits_for_resume(stack):
     async with aiohttp.ClientSession() as http:
         r = await http.post(f"{stack.url}/v1/completions", json=stack.body(2000))
