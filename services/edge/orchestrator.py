@@ -63,9 +63,9 @@ class Orchestrator:
         self.resilience = resilience
         self.heard = Heard()                # decode workers' last output, for stall checks
         self._channels: dict[str, grpc.aio.Channel] = {}
-        # A stub builds a callable per method: one per worker, not one per request
-        # (a new stub for each request was ~5% of the edge's CPU at 1,000 starts/s).
-        self._engines: dict[str, vllm_engine_pb2_grpc.VllmEngineStub] = {}
+        # A stub builds a callable per method: one per worker and service, not one per
+        # request (a new stub for each request was ~5% of the edge's CPU at 1,000 starts/s).
+        self._stubs: dict[tuple[type, str], Any] = {}
         # --decode-calls batched: one shared call per decode worker that offers it.
         self.batched, self.batch_from = batched, batch_from
         self._batched: dict[str, BatchedCalls | None] = {}
@@ -79,12 +79,14 @@ class Orchestrator:
             self._channels[address] = channel(address)
         return self._channels[address]
 
-    def _engine(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
-        stub = self._engines.get(address)
+    def _stub(self, cls: type, address: str):
+        stub = self._stubs.get((cls, address))
         if stub is None:
-            stub = self._engines[address] = vllm_engine_pb2_grpc.VllmEngineStub(
-                self._channel(address))
+            stub = self._stubs[cls, address] = cls(self._channel(address))
         return stub
+
+    def _engine(self, address: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
+        return self._stub(vllm_engine_pb2_grpc.VllmEngineStub, address)
 
     async def _decode_calls(self, address: str) -> BatchedCalls | None:
         """The worker's shared call when batched decode calls are on and it serves
@@ -115,7 +117,7 @@ class Orchestrator:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def _leases(self, address: str) -> transfer_pb2_grpc.KVTransferStub:
-        return transfer_pb2_grpc.KVTransferStub(self._channel(address))
+        return self._stub(transfer_pb2_grpc.KVTransferStub, address)
 
     async def workers(self) -> list[router_pb2.WorkerInfo]:
         """Every worker the router knows, with liveness."""
