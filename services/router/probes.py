@@ -101,6 +101,8 @@ class EngineProbes:
         """Apply one worker's KV events and load records until its stream ends."""
         wid = entry.info.worker_id
         stub = self._stub(entry.info.address)
+        if not self.index.block_size:
+            await self._learn_block_size(stub, wid)
         call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
             load_records_before_first_batch=True))
         log.info("following the KV events of %s", wid)
@@ -129,6 +131,20 @@ class EngineProbes:
             self.index.forget(wid)          # the next subscription starts from its state
             if self._feeds.get(wid) is asyncio.current_task():
                 del self._feeds[wid]
+
+    async def _learn_block_size(self, stub, wid: str) -> None:
+        """The engines' block size from a worker's `GetServerInfo`, so that prompts are
+        keyed from the first request on (the first stored block would tell it too, but
+        only once a prompt has filled one: until then a fresh router's first requests,
+        a shared system prompt's among them, were placed blind and scattered)."""
+        try:
+            info = await stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            log.debug("no server info from %s: %s", wid, e.code().name)
+            return
+        if info.block_size > 0 and not self.index.block_size:
+            self.index.block_size = info.block_size
+            log.info("block size %d (from %s)", info.block_size, wid)
 
     def _apply(self, worker: str, event: common_pb2.KvCacheEvent) -> None:
         kind = event.WhichOneof("data")

@@ -24,6 +24,7 @@ from transfer.connector import PREFILL_ADDRESS
 from transfer.metrics import HANDOVER_SECONDS
 
 from .engine import VllmEngine
+from .load_push import LoadNudges
 from .validation import prompt_problem, sampling_problem
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         self.on_lease = None            # called with each lease id a prefill hands out
         self.in_flight = 0              # Generate calls running: a drain waits for none
         self.draining = False           # set on SIGTERM: HealthCheck says so
+        self.load_nudges = LoadNudges()
 
     async def Generate(self, request, context):
         s = request.sampling_params
@@ -79,6 +81,7 @@ class WorkerEngineServicer(VllmEngineServicer):
                 yield resp
         finally:
             self.in_flight -= 1
+            self.load_nudges.ended()
             if handover is not None:
                 telemetry.end(handover, error="ended before its first token")
             if telemetry.enabled():
@@ -120,6 +123,13 @@ class WorkerEngineServicer(VllmEngineServicer):
                         "locally", request.request_id, self.worker_id,
                         params.get("remote_request_id"), params.get(PREFILL_ADDRESS), reason)
             request.ClearField("kv_transfer_params_json")
+
+    async def SubscribeKvEvents(self, request, context):
+        """The servicer's relay of the engine's KV events and load records, plus a
+        record as soon as a request ends (load_push.py)."""
+        async for batch in self.load_nudges.stream(super().SubscribeKvEvents(request, context),
+                                                   self._load_record):
+            yield batch
 
     async def HealthCheck(self, request, context):
         """Unhealthy while draining: a router probing this worker (one that does not

@@ -271,6 +271,50 @@ async def test_a_worker_whose_event_stream_breaks_is_dropped_at_once():
         assert registry.serving(DECODE, "m") == []
 
 
+class QuietEngine(FakeEngine):
+    """An engine that has published no block yet, but tells its block size."""
+
+    async def GetServerInfo(self, request, context):
+        return vllm_engine_pb2.GetServerInfoResponse(block_size=4)
+
+    async def SubscribeKvEvents(self, request, context):
+        await asyncio.sleep(30)
+        yield common_pb2_smg.KvEventBatch()
+
+
+async def test_a_fresh_router_keys_prompts_before_any_block_is_published():
+    """Until an engine publishes a block, only `GetServerInfo` tells the block size:
+    without it the first requests of a shared prompt were placed blind (by session
+    alone) and scattered over the workers."""
+    servers = [Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.
+                      add_VllmEngineServicer_to_server(QuietEngine(), s), []) for _ in range(2)]
+    for server in servers:
+        await server.start()
+    registry = WorkerRegistry(timeout=60.0)
+    probes = EngineProbes(registry, [("decode", f"127.0.0.1:{s.port}") for s in servers],
+                          interval=600.0)
+    try:
+        await probes.round()
+        for _ in range(100):
+            if probes.index.block_size:
+                break
+            await asyncio.sleep(0.02)
+        assert probes.index.block_size == 4
+        shared = list(range(100, 140))
+        first, _, _ = place(registry, router_pb2.RouteRequest(
+            request_id="r0", model="m", session_id="s0", prompt_token_ids=shared + [1]),
+            Policy(), probes.index)
+        for i in range(1, 9):       # other sessions, the same system prompt
+            d, _, _ = place(registry, router_pb2.RouteRequest(
+                request_id=f"r{i}", model="m", session_id=f"s{i}",
+                prompt_token_ids=shared + [i, i]), Policy(), probes.index)
+            assert d.decode.worker_id == first.decode.worker_id and d.cached_tokens == 40
+    finally:
+        await probes.stop()
+        for server in servers:
+            await server.stop(0)
+
+
 async def test_two_router_replicas_fed_the_same_reports_decide_alike():
     """What a replica places depends only on the workers' reports (and, until the engines
     report them, on the prompts it placed itself): two replicas following the same

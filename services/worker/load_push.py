@@ -1,0 +1,94 @@
+"""A load record on the KV-event stream the moment a request ends.
+
+The servicer's relay stamps the engine's load (running + waiting requests, KV
+usage) on every KV-event batch and checks for a change every 0.1 s while no
+batch flows. A request that ends publishes no event of its own, so for up to
+that tick a router still counts it on its worker; a session's next turn, sent
+a few milliseconds after the last token, then found its worker one request too
+full and was placed away from its KV (bench/README.md, router section).
+
+So each subscriber gets a nudge when a Generate call ends, and the stream sends
+the current record at once: a `load_only` batch repeating the last batch's
+sequence number and record sample, as the relay's own heartbeat does between
+batches. By then the engine's figures already leave the request out (the step
+that finished it is the one whose output ended the call). Before the first
+batch nothing is sent (there is no sequence to repeat), and nothing when the
+figures have not moved.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import AsyncIterator, Callable
+
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_servicer.load_record import load_changed
+
+
+class LoadNudges:
+    """One event per open KV-event stream, set when a request ends."""
+
+    def __init__(self) -> None:
+        self._streams: set[asyncio.Event] = set()
+
+    def ended(self) -> None:
+        for event in self._streams:
+            event.set()
+
+    async def stream(self, batches: AsyncIterator[common_pb2.KvEventBatch],
+                     record: Callable[[int | None], common_pb2.EngineLoad | None]
+                     ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """`batches` (the relay's), with a load-only batch after each nudge whose
+        record (`record(rank)`, the servicer's load source) moved."""
+        nudged = asyncio.Event()
+        self._streams.add(nudged)
+        batches = aiter(batches)
+        nxt = asyncio.ensure_future(anext(batches))
+        nudge = asyncio.ensure_future(nudged.wait())
+        last: common_pb2.KvEventBatch | None = None
+        try:
+            while True:
+                await asyncio.wait((nxt, nudge), return_when=asyncio.FIRST_COMPLETED)
+                if nxt.done():
+                    try:
+                        batch = nxt.result()
+                    except StopAsyncIteration:
+                        return
+                    if batch.HasField("load"):
+                        last = batch
+                    yield batch
+                    nxt = asyncio.ensure_future(anext(batches))
+                if nudge.done():
+                    nudged.clear()
+                    nudge = asyncio.ensure_future(nudged.wait())
+                    extra = _load_only(last, record)
+                    if extra is not None:
+                        last = extra
+                        yield extra
+        finally:
+            self._streams.discard(nudged)
+            for task in (nxt, nudge):
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
+            with contextlib.suppress(Exception):
+                await batches.aclose()
+
+
+def _load_only(last, record) -> common_pb2.KvEventBatch | None:
+    """A load-only batch with the current record, if it moved since `last`'s."""
+    if last is None:
+        return None
+    rank = last.dp_rank if last.HasField("dp_rank") else None
+    current = record(rank)
+    if current is None or not load_changed(last.load, current):
+        return None
+    batch = common_pb2.KvEventBatch(sequence_number=last.sequence_number,
+                                    timestamp=time.time())
+    if rank is not None:
+        batch.dp_rank = rank
+    batch.load.CopyFrom(current)
+    batch.load.sample = last.load.sample
+    batch.load.load_only = True
+    return batch

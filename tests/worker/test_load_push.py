@@ -1,0 +1,54 @@
+"""A worker's KV-event stream carries its load the moment a request ends, not at the
+relay's next 0.1 s check (a session's next turn comes sooner than that)."""
+from __future__ import annotations
+
+import asyncio
+
+from smg_grpc_proto.generated import common_pb2
+
+from services.worker.load_push import LoadNudges
+
+
+async def test_a_request_that_ends_sends_the_load_at_once_and_only_when_it_moved():
+    relayed: asyncio.Queue = asyncio.Queue()
+
+    async def batches():
+        while True:
+            yield await relayed.get()
+
+    running = {"now": 2}
+    nudges = LoadNudges()
+    stream = nudges.stream(batches(), lambda rank: common_pb2.EngineLoad(
+        running_requests=running["now"], max_running_requests=4))
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def read():
+        async for batch in stream:
+            got.put_nowait(batch)
+
+    reader = asyncio.create_task(read())
+    try:
+        await asyncio.sleep(0.01)
+        running["now"] = 1
+        nudges.ended()                   # before any batch: no sequence to repeat, nothing
+        await asyncio.sleep(0.01)
+        assert got.empty()
+        relayed.put_nowait(common_pb2.KvEventBatch(
+            sequence_number=7, load=common_pb2.EngineLoad(running_requests=1, max_running_requests=4,
+                                                          sample=3)))
+        assert (await asyncio.wait_for(got.get(), 1)).sequence_number == 7
+        nudges.ended()                   # the figures have not moved: nothing
+        await asyncio.sleep(0.01)
+        assert got.empty()
+        running["now"] = 0
+        nudges.ended()
+        extra = await asyncio.wait_for(got.get(), 1)
+        assert extra.sequence_number == 7 and not extra.events
+        assert extra.load.load_only and extra.load.sample == 3
+        assert extra.load.running_requests == 0 and extra.load.max_running_requests == 4
+        relayed.put_nowait(common_pb2.KvEventBatch(sequence_number=8))
+        assert (await asyncio.wait_for(got.get(), 1)).sequence_number == 8   # relayed on
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+    nudges.ended()                       # a closed stream is not nudged any more
