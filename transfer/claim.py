@@ -15,6 +15,17 @@ The edge names the prefill worker's gRPC address in the params it hands over
 (`PREFILL_ADDRESS`). Params without it come from a caller that knows nothing of
 leases (another gateway over stock engines): they go to the engine unchanged,
 as vLLM would take them.
+
+No claim is made for params marked `FRESH_LEASE`: the edge marks a prefill's
+params so when it forwards them for the first time, less than the lease minus
+a second after the prefill answered (the prefill worker puts its lease length
+in them, `LEASE_SECONDS`). Nothing can have ended such a lease: it expires a
+lease after the answer, and only a pull or an Abort ends it sooner, neither of
+which can have happened before its first use. The prefill worker's own fast
+path answers the same claim the same way without asking its engine, so the
+check saved the request a round trip between the workers (~1 ms of TTFT on
+this machine) and nothing else. A retry, a moved generation or a late decode
+carries params without the mark, and is claimed.
 """
 from __future__ import annotations
 
@@ -23,7 +34,7 @@ import grpc
 from pdserve.rpc import channel
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 
-from .connector import PREFILL_ADDRESS
+from .connector import FRESH_LEASE, PREFILL_ADDRESS
 from .metrics import FAILURES
 
 
@@ -45,7 +56,7 @@ class LeaseClaims:
         """Why the blocks these params name must not be pulled, or None to pull them."""
         address, lease = params.get(PREFILL_ADDRESS), params.get("remote_request_id")
         if (not params.get("do_remote_prefill") or not address or not lease
-                or address in self._no_leases):
+                or address in self._no_leases or params.get(FRESH_LEASE) is True):
             return None
         try:
             resp = await self._stub(address).Claim(

@@ -65,14 +65,30 @@ def request_params_for_prefill() -> dict[str, Any]:
 # The prefill worker's gRPC address, in the params a decode request carries: the
 # decode worker claims the lease there before its engine pulls (transfer/claim.py).
 PREFILL_ADDRESS = "pdserve_prefill_address"
+# How long the prefill worker holds the lease after it answers (its
+# `kv lease_seconds`), in the params it returns ...
+LEASE_SECONDS = "pdserve_lease_seconds"
+# ... so that a gateway forwarding them at once can say so: the first use of a
+# lease, within its first lease minus a second, needs no claim (transfer/claim.py).
+FRESH_LEASE = "pdserve_lease_fresh"
+
+
+def lease_is_fresh(prefill_params: dict[str, Any], age_seconds: float) -> bool:
+    """Whether params the prefill answered `age_seconds` ago are still certainly held
+    (for their first use: a lease is ended only by its expiry, a pull, or an Abort)."""
+    lease = prefill_params.get(LEASE_SECONDS)
+    return isinstance(lease, (int, float)) and age_seconds < lease - 1
 
 
 def request_params_for_decode(prefill_params: dict[str, Any],
-                              prefill_address: str = "") -> dict[str, Any]:
-    """`kv_transfer_params` for the decode request that pulls the prefill's blocks."""
+                              prefill_address: str = "", fresh: bool = False) -> dict[str, Any]:
+    """`kv_transfer_params` for the decode request that pulls the prefill's blocks;
+    `fresh`: their first use, and `lease_is_fresh`."""
     params = dict(prefill_params)
     if prefill_address:
         params[PREFILL_ADDRESS] = prefill_address
+    if fresh:
+        params[FRESH_LEASE] = True
     # The decode engine then reports the pulled tokens as its own cache hits,
     # which is how callers see that the KV travelled.
     params.pop("remote_prefill_cached_tokens", None)

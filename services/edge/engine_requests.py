@@ -50,14 +50,15 @@ def prefill_request(request_id: str, prompt_ids: list[int],
 
 
 def decode_request(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
-                   prefill_params: dict[str, Any] | None, prefill_address: str = ""
-                   ) -> vllm_engine_pb2.GenerateRequest:
+                   prefill_params: dict[str, Any] | None, prefill_address: str = "",
+                   fresh: bool = False) -> vllm_engine_pb2.GenerateRequest:
     """Stream the request's tokens; its KV is pulled when `prefill_params` names blocks
-    (after the decode worker claims their lease at `prefill_address`)."""
+    (after the decode worker claims their lease at `prefill_address`, unless `fresh`:
+    see transfer/claim.py)."""
     req = vllm_engine_pb2.GenerateRequest(
         request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt_ids),
         sampling_params=engine_sampling(sampling, max_tokens=sampling.max_tokens), stream=True)
     if prefill_params:
         req.kv_transfer_params_json = json.dumps(
-            request_params_for_decode(prefill_params, prefill_address))
+            request_params_for_decode(prefill_params, prefill_address, fresh))
     return req

@@ -41,6 +41,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve import telemetry
 from pdserve.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
+from transfer.connector import lease_is_fresh
 
 from .batched import BatchedLeg
 from .detokenizer import TextStream
@@ -108,6 +109,7 @@ class DecodeLeg:
     prefill_params: dict[str, Any] | None = None
     prefill_address: str = ""
     leases: transfer_pb2_grpc.KVTransferStub | None = None
+    prefilled_at: float = 0.0                   # time.monotonic() when the prefill answered
     calls: Any = None                           # BatchedCalls (batched.py), else stub's Generate
     started: bool = False                       # its first output came
     pulled: bool = False                        # ...and it had pulled the prefill's blocks
@@ -223,8 +225,11 @@ class GenerationStream:
             sampling = common_pb2.SamplingParams()
             sampling.CopyFrom(self.gen.sampling)
             sampling.max_tokens -= sent
+        # A leg is tried once: its params' first use (a move prefills anew).
+        fresh = (leg.prefill_params is not None
+                 and lease_is_fresh(leg.prefill_params, time.monotonic() - leg.prefilled_at))
         req = decode_request(leg.request_id, self.gen.prompt_token_ids + self.output_ids,
-                             sampling, leg.prefill_params, leg.prefill_address)
+                             sampling, leg.prefill_params, leg.prefill_address, fresh)
         span = telemetry.span("decode", parent=self.span, attributes={
             "pdserve.worker.id": leg.worker_id, "pdserve.request.id": leg.request_id,
             "pdserve.decode.pull": leg.prefill_params is not None})

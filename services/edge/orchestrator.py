@@ -158,9 +158,10 @@ class Orchestrator:
             if params is not None:
                 stats.update(leg)
                 address = decision.prefill.address
+                prefilled_at = time.monotonic()
                 return DecodeLeg(request_id, decision.decode.worker_id,
                                  self._engine(decision.decode.address), params, address,
-                                 self._leases(address),
+                                 self._leases(address), prefilled_at,
                                  calls=await self._decode_calls(decision.decode.address)), stats
             failed += 1
             if failed >= self.resilience.prefill_attempts:

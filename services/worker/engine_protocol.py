@@ -20,7 +20,7 @@ from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 
 from pdserve import genai, telemetry
 from transfer.claim import LeaseClaims
-from transfer.connector import PREFILL_ADDRESS
+from transfer.connector import LEASE_SECONDS, PREFILL_ADDRESS
 from transfer.metrics import HANDOVER_SECONDS
 
 from .engine import VllmEngine
@@ -41,7 +41,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         self.max_model_len = engine.cfg.max_model_len
         self.vocab_size = engine.llm.model_config.get_vocab_size()
         self.claims = LeaseClaims()
-        self.on_lease = None            # called with each lease id a prefill hands out
+        self.leases = None              # a prefill worker's KVTransferService
         self.in_flight = 0              # Generate calls running: a drain waits for none
         self.draining = False           # set on SIGTERM: HealthCheck says so
         self.load_nudges = LoadNudges()
@@ -76,8 +76,8 @@ class WorkerEngineServicer(VllmEngineServicer):
                     n = n or len(resp.complete.output_ids)
                     prompt_tokens, cached = resp.complete.prompt_tokens, resp.complete.cached_tokens
                     ended = resp.complete.finish_reason
-                    if self.on_lease and resp.complete.HasField("kv_transfer_params_json"):
-                        self._note_lease(resp.complete.kv_transfer_params_json)
+                    if self.leases and resp.complete.HasField("kv_transfer_params_json"):
+                        self._issue_lease(resp.complete)
                 yield resp
         finally:
             self.in_flight -= 1
@@ -106,10 +106,15 @@ class WorkerEngineServicer(VllmEngineServicer):
                   else resp.complete.cached_tokens)
         telemetry.end(span, pdserve__kv__pulled=pulled, pdserve__kv__cached_tokens=cached)
 
-    def _note_lease(self, params_json: str) -> None:
-        lease = json.loads(params_json).get("remote_request_id")
+    def _issue_lease(self, complete) -> None:
+        """A prefill hands out a lease: the lease service hears of it, and the params
+        say how long it holds (so a gateway can tell a fresh one, transfer/claim.py)."""
+        params = json.loads(complete.kv_transfer_params_json)
+        lease = params.get("remote_request_id") if isinstance(params, dict) else None
         if lease:
-            self.on_lease(lease)
+            self.leases.issued(lease)
+            params[LEASE_SECONDS] = self.leases.lease_seconds
+            complete.kv_transfer_params_json = json.dumps(params)
 
     async def _claim(self, request, params: dict | None) -> None:
         """A pull whose lease is gone (or whose prefill worker is) becomes a local

@@ -45,7 +45,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     # A prefill worker also ends and checks its engine's KV leases by id.
     leases = (KVTransferService(engine.llm, cfg.worker_id, cfg.kv.lease_seconds)
               if cfg.role == "prefill" and cfg.kv else None)
-    servicer.on_lease = leases.issued if leases else None
+    servicer.leases = leases
     services = [ENGINE_SERVICE, BATCHED_SERVICE] + ([LEASE_SERVICE] if leases else [])
 
     def add_servicers(server) -> None:

@@ -61,7 +61,6 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
         *(("pdserve-edge", name) for name in (generation, route_call, *_EDGE_STEPS)),
         ("pdserve-router", route_call), ("pdserve-prefill", engine_call),
         ("pdserve-decode", engine_call), ("pdserve-decode", "kv_transfer"),
-        ("pdserve-decode", claim_call), ("pdserve-prefill", claim_call),
         ("pdserve-edge", "POST /v1/chat/completions")})
     by_id = {s.span_id: s for s in spans}
 
@@ -90,9 +89,10 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     # A lone leg gets a Generate call of its own, batched decode calls or not
     # (services/edge/batched.py); shared calls' spans: test_batched_decode.py.
     decode = one("pdserve-decode", engine_call, parent=steps["decode"])
-    # The KV handover on the decode worker: its lease claim reaches the prefill worker.
+    # The KV handover on the decode worker. The edge forwarded a fresh lease, so the
+    # decode worker pulled without claiming it first (transfer/claim.py).
     transfer = one("pdserve-decode", "kv_transfer", parent=decode)
-    one("pdserve-prefill", claim_call, parent=one("pdserve-decode", claim_call, parent=transfer))
+    assert not [s for s in spans if s.name == claim_call], [(s.service, s.name) for s in spans]
     assert transfer.attributes["pdserve.kv.pulled"] is True
     assert transfer.attributes["pdserve.kv.remote_blocks"] >= 1
     # Every span's parent is in the trace, but the client's.

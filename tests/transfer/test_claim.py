@@ -1,0 +1,36 @@
+"""The decode side's lease claim: which params are claimed before a pull, and which a
+gateway vouches for (its first use of a lease, well within the lease)."""
+from __future__ import annotations
+
+from support import free_port
+from transfer.claim import LeaseClaims
+from transfer.connector import (FRESH_LEASE, LEASE_SECONDS, PREFILL_ADDRESS, lease_is_fresh,
+                                request_params_for_decode)
+
+
+def test_a_lease_is_fresh_until_a_second_before_it_runs_out():
+    params = {"remote_request_id": "r-1", LEASE_SECONDS: 6}
+    assert lease_is_fresh(params, 0.0) and lease_is_fresh(params, 4.9)
+    assert not lease_is_fresh(params, 5.0)
+    assert not lease_is_fresh({"remote_request_id": "r-1"}, 0.0)   # no length: unknown
+    assert not lease_is_fresh({LEASE_SECONDS: "6"}, 0.0)
+
+
+def test_the_decode_params_carry_the_mark_only_when_asked():
+    prefill = {"do_remote_decode": True, "remote_request_id": "r-1", "remote_block_ids": [1],
+               LEASE_SECONDS: 6}
+    address = "127.0.0.1:50061"
+    marked = request_params_for_decode(dict(prefill, do_remote_prefill=True), address,
+                                       fresh=True)
+    plain = request_params_for_decode(dict(prefill, do_remote_prefill=True), address)
+    assert marked[FRESH_LEASE] is True and marked[PREFILL_ADDRESS] == address
+    assert FRESH_LEASE not in plain
+
+
+async def test_the_claim_is_made_unless_the_params_are_marked_fresh():
+    address = f"127.0.0.1:{free_port()}"
+    params = {"do_remote_prefill": True, "remote_request_id": "r-1", PREFILL_ADDRESS: address}
+    claims = LeaseClaims(timeout=2.0)
+    assert await claims.refusal(dict(params, **{FRESH_LEASE: True})) is None
+    assert await claims.refusal(params) == "prefill_unreachable"
+    assert await claims.refusal(dict(params, **{FRESH_LEASE: "yes"})) == "prefill_unreachable"
