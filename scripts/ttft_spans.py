@@ -58,11 +58,17 @@ def main() -> None:
     ttfts = sorted(1000 * o.ttft for o in result.outputs if o.success)
     print(f"TTFT p50 {statistics.median(ttfts):.1f} ms over {len(ttfts)} requests")
     _slowest(collector.spans, result.outputs, a.slowest)
-    durations = collections.defaultdict(list)
+    durations, starts = collections.defaultdict(list), collections.defaultdict(list)
+    first = {}
+    for s in collector.spans:
+        first[s.trace_id] = min(first.get(s.trace_id, s.start_ns), s.start_ns)
     for s in collector.spans:
         durations[(s.service, s.name)].append((s.end_ns - s.start_ns) / 1e6)
+        starts[(s.service, s.name)].append((s.start_ns - first[s.trace_id]) / 1e6)
+    print("each span: its median duration, and its median start after its trace's first span")
     for (service, name), ms in sorted(durations.items()):
-        print(f"{service:>16}  {name:<45} n={len(ms):3}  p50 {statistics.median(ms):9.2f} ms")
+        print(f"{service:>16}  {name:<45} n={len(ms):3}  p50 {statistics.median(ms):9.2f} ms"
+              f"  starts +{statistics.median(starts[(service, name)]):8.2f} ms")
 
 
 def _slowest(spans, outputs, k: int) -> None:
