@@ -223,11 +223,20 @@ class Orchestrator:
         budget = gen.remaining()
         try:
             params = None
-            async for resp in stub.Generate(prefill_request(request_id, prompt, gen.sampling),
-                                            timeout=min(self.resilience.prefill_timeout, budget),
-                                            metadata=telemetry.metadata()):
+            call = stub.Generate(prefill_request(request_id, prompt, gen.sampling),
+                                 timeout=min(self.resilience.prefill_timeout, budget),
+                                 metadata=telemetry.metadata())
+            while params is None:
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    break
                 if resp.HasField("complete") and resp.complete.HasField("kv_transfer_params_json"):
                     params = json.loads(resp.complete.kv_transfer_params_json)
+            if params is not None:
+                # The answer is in: the decode starts now. The call's status follows
+                # the worker's own bookkeeping after its last message; it is read in
+                # the background (the call must stay referenced until it ends).
+                in_background(call.code(), self._aborts)
             if not params or not params.get("remote_block_ids"):
                 raise ValueError("the prefill returned no KV blocks to hand over")
         except asyncio.CancelledError:
