@@ -51,4 +51,3 @@ async def test_a_request_that_ends_sends_the_load_at_once_and_only_when_it_moved
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
-    nudges.ended()                       # a closed stream is not nudged any more
