@@ -227,29 +227,32 @@ class EventingEngine(FakeEngine):
 
 
 @contextlib.asynccontextmanager
-async def _followed_engine(tokens: list[int], registry_timeout: float):
-    """An engine that publishes `tokens`' blocks, probed and followed until the feed
-    has delivered them: (server, registry, probes)."""
-    server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-        EventingEngine(tokens), s), [])
-    await server.start()
+async def _followed(engines, registry_timeout: float):
+    """Engines probed and followed until the router knows their block size (from their
+    first published blocks, or their server info): (servers, registry, probes)."""
+    servers = [Server("127.0.0.1", 0, lambda s, e=e: vllm_engine_pb2_grpc.
+                      add_VllmEngineServicer_to_server(e, s), []) for e in engines]
+    for server in servers:
+        await server.start()
     registry = WorkerRegistry(timeout=registry_timeout)
-    probes = EngineProbes(registry, [("decode", f"127.0.0.1:{server.port}")], interval=600.0)
+    probes = EngineProbes(registry, [("decode", f"127.0.0.1:{s.port}") for s in servers],
+                          interval=600.0)
     try:
         await probes.round()
         for _ in range(50):
             if probes.index.block_size:
                 break
             await asyncio.sleep(0.05)
-        yield server, registry, probes
+        yield servers, registry, probes
     finally:
         await probes.stop()
-        await server.stop(0)
+        for server in servers:
+            await server.stop(0)
 
 
 async def test_kv_events_feed_the_prefix_index_and_the_load():
     tokens = list(range(40, 72))
-    async with _followed_engine(tokens, registry_timeout=6.0) as (_, registry, probes):
+    async with _followed([EventingEngine(tokens)], registry_timeout=6.0) as (_, registry, probes):
         [entry] = registry.serving(DECODE, "m")
         assert entry.load == 3 and probes.index.block_size == 4
         keys = block_keys(tokens + [1, 2], 4)
@@ -260,8 +263,8 @@ async def test_kv_events_feed_the_prefix_index_and_the_load():
 
 async def test_a_worker_whose_event_stream_breaks_is_dropped_at_once():
     # A registry timeout of 10 minutes: only the broken stream can drop it in time.
-    async with _followed_engine(list(range(40, 72)), registry_timeout=600.0) as (
-            server, registry, _):
+    async with _followed([EventingEngine(list(range(40, 72)))], registry_timeout=600.0) as (
+            [server], registry, _):
         assert len(registry.serving(DECODE, "m")) == 1
         await server.stop(0)                              # the worker goes away mid-stream
         for _ in range(100):
@@ -286,19 +289,8 @@ async def test_a_fresh_router_keys_prompts_before_any_block_is_published():
     """Until an engine publishes a block, only `GetServerInfo` tells the block size:
     without it the first requests of a shared prompt were placed blind (by session
     alone) and scattered over the workers."""
-    servers = [Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.
-                      add_VllmEngineServicer_to_server(QuietEngine(), s), []) for _ in range(2)]
-    for server in servers:
-        await server.start()
-    registry = WorkerRegistry(timeout=60.0)
-    probes = EngineProbes(registry, [("decode", f"127.0.0.1:{s.port}") for s in servers],
-                          interval=600.0)
-    try:
-        await probes.round()
-        for _ in range(100):
-            if probes.index.block_size:
-                break
-            await asyncio.sleep(0.02)
+    async with _followed([QuietEngine(), QuietEngine()], registry_timeout=60.0) as (
+            _, registry, probes):
         assert probes.index.block_size == 4
         shared = list(range(100, 140))
         first, _, _ = place(registry, router_pb2.RouteRequest(
@@ -309,10 +301,6 @@ async def test_a_fresh_router_keys_prompts_before_any_block_is_published():
                 request_id=f"r{i}", model="m", session_id=f"s{i}",
                 prompt_token_ids=shared + [i, i]), Policy(), probes.index)
             assert d.decode.worker_id == first.decode.worker_id and d.cached_tokens == 40
-    finally:
-        await probes.stop()
-        for server in servers:
-            await server.stop(0)
 
 
 async def test_two_router_replicas_fed_the_same_reports_decide_alike():
