@@ -19,9 +19,10 @@ Each live worker is also followed over `SubscribeKvEvents` (the engines' block
 size asked first with `GetServerInfo`, while the index has none): its engine's
 stored/evicted blocks keep the router's prefix index, and the load record on
 every batch (running + waiting requests, sent at each scheduler step, when a
-request ends, and as a heartbeat when idle) keeps its load current and tells the
-router when requests finish. A worker whose feed has not sent a load record (no events published:
-UNIMPLEMENTED, or not yet) has its load read with `GetLoads` once per round.
+request ends on a pdserve worker, and as a heartbeat when idle) keeps its load
+current and tells the router when requests finish. A worker whose feed has not
+sent a load record (no events published: UNIMPLEMENTED, or not yet) has its load
+read with `GetLoads` once per round.
 A feed that breaks (UNAVAILABLE) takes its worker out of the registry at once:
 a dead worker stops being offered within milliseconds, not a heartbeat timeout.
 """
