@@ -110,6 +110,7 @@ class DecodeLeg:
     prefill_address: str = ""
     leases: transfer_pb2_grpc.KVTransferStub | None = None
     prefilled_at: float = 0.0                   # time.monotonic() when the prefill answered
+    prefill_channel: Any = None                 # this edge's channel to the prefill worker
     calls: Any = None                           # BatchedCalls (batched.py), else stub's Generate
     started: bool = False                       # its first output came
     pulled: bool = False                        # ...and it had pulled the prefill's blocks
@@ -225,11 +226,9 @@ class GenerationStream:
             sampling = common_pb2.SamplingParams()
             sampling.CopyFrom(self.gen.sampling)
             sampling.max_tokens -= sent
-        # A leg is tried once: its params' first use (a move prefills anew).
-        fresh = (leg.prefill_params is not None
-                 and lease_is_fresh(leg.prefill_params, time.monotonic() - leg.prefilled_at))
         req = decode_request(leg.request_id, self.gen.prompt_token_ids + self.output_ids,
-                             sampling, leg.prefill_params, leg.prefill_address, fresh)
+                             sampling, leg.prefill_params, leg.prefill_address,
+                             fresh_lease(leg, time.monotonic()))
         span = telemetry.span("decode", parent=self.span, attributes={
             "pdserve.worker.id": leg.worker_id, "pdserve.request.id": leg.request_id,
             "pdserve.decode.pull": leg.prefill_params is not None})
@@ -403,6 +402,19 @@ class GenerationStream:
             return APIError(504, "the request's deadline passed before it finished",
                             type="timeout", code="deadline_exceeded")
         return api_error(e, f"decode worker {self.leg.worker_id}")
+
+
+def fresh_lease(leg: DecodeLeg, now: float) -> bool:
+    """Whether the decode worker may pull `leg`'s prefill blocks without claiming their
+    lease (transfer/claim.py): a leg is tried once, so this is its params' first use (a
+    moved generation prefills anew); the lease is young; and this edge's connection to
+    the prefill worker still stands. A worker killed after it answered drops that
+    connection at once: a claim then finds it gone within milliseconds, where a pull
+    from it would wait out NIXL's timeout (5 s here) before the decode computed the
+    prompt itself."""
+    return (leg.prefill_params is not None and leg.prefill_channel is not None
+            and leg.prefill_channel.get_state() == grpc.ChannelConnectivity.READY
+            and lease_is_fresh(leg.prefill_params, now - leg.prefilled_at))
 
 
 def in_background(call, running: set) -> None:

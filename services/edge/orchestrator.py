@@ -161,7 +161,7 @@ class Orchestrator:
                 prefilled_at = time.monotonic()
                 return DecodeLeg(request_id, decision.decode.worker_id,
                                  self._engine(decision.decode.address), params, address,
-                                 self._leases(address), prefilled_at,
+                                 self._leases(address), prefilled_at, self._channel(address),
                                  calls=await self._decode_calls(decision.decode.address)), stats
             failed += 1
             if failed >= self.resilience.prefill_attempts:

@@ -185,37 +185,67 @@ def test_losing_a_decode_worker_moves_only_its_sessions(pool):
 
 def test_a_prefill_worker_killed_before_the_pull_costs_a_local_prefill_not_the_request(
         pool, model_dir):
-    """SIGKILL the prefill worker between its answer and the decode's pull.
-    The decode worker's claim finds nobody, and it computes the prompt itself: the
-    same tokens, well within a second of the failure."""
+    """SIGKILL the prefill worker between its answer and the decode's pull. The edge
+    vouches for a young lease (no claim) only while its own connection to the prefill
+    worker stands (`generation.fresh_lease`): that connection drops with the worker, so
+    the decode request goes unmarked, the decode worker's claim finds nobody, and it
+    computes the prompt itself: the same tokens, well within a second of the failure.
+    (A pull from the dead worker instead would wait out NIXL's timeout, ~5 s here.)"""
     import grpc
     from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
     from transformers import AutoTokenizer
 
     from engine_client import flush_prefix_cache, generate
-    from transfer.connector import request_params_for_decode, request_params_for_prefill
+    from pdserve.rpc import channel
+    from pdserve.v1 import common_pb2
+    from services.edge.engine_requests import prefill_request
+    from services.edge.generation import DecodeLeg, fresh_lease
+    from transfer.connector import request_params_for_decode
 
     ids = AutoTokenizer.from_pretrained(model_dir).encode(CASES[0].payload["prompt"])
-    with grpc.insecure_channel(pool["prefill"]) as p, grpc.insecure_channel(pool["decode-0"]) as d:
-        prefill, decode = pb_grpc.VllmEngineStub(p), pb_grpc.VllmEngineStub(d)
+
+    async def prefill_then_kill():
+        """Prefill over a channel held as the edge holds its own, then kill the worker:
+        (params, still vouched for, seconds until the edge's channel noticed)."""
+        edge_channel = channel(pool["prefill"])
+        try:
+            params = None
+            async for resp in pb_grpc.VllmEngineStub(edge_channel).Generate(
+                    prefill_request("killed-p", ids, common_pb2.SamplingParams(max_tokens=1)),
+                    timeout=60):
+                if resp.HasField("complete"):
+                    params = json.loads(resp.complete.kv_transfer_params_json)
+            leg = DecodeLeg("killed-d", "decode-0", None, params, pool["prefill"], None,
+                            time.monotonic(), edge_channel)
+            assert fresh_lease(leg, time.monotonic())     # connected and young: vouched for
+            victim = next(c for c in psutil.Process(pool["proc"].popen.pid).children()
+                          if "prefill-0" in c.cmdline())
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(10)
+            killed = time.monotonic()
+            while fresh_lease(leg, time.monotonic()) and time.monotonic() < killed + 0.5:
+                await asyncio.sleep(0.001)
+            return params, fresh_lease(leg, time.monotonic()), time.monotonic() - killed
+        finally:
+            await edge_channel.close()
+
+    with grpc.insecure_channel(pool["decode-0"]) as d:
+        decode = pb_grpc.VllmEngineStub(d)
         want, _ = generate(decode, "killed-ref", ids, 12)
         flush_prefix_cache(decode)
-        _, done = generate(prefill, "killed-p", ids, 1, kv=request_params_for_prefill())
-        params = json.loads(done.kv_transfer_params_json)
-        victim = next(c for c in psutil.Process(pool["proc"].popen.pid).children()
-                      if "prefill-0" in c.cmdline())
-        os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait(10)
-        killed = time.monotonic()
+        params, vouched, noticed = asyncio.run(prefill_then_kill())
+        started = time.monotonic()
         out, done = generate(decode, "killed-d", ids, 12,
-                             kv=request_params_for_decode(params, pool["prefill"]))
-        recovered = time.monotonic() - killed
+                             kv=request_params_for_decode(params, pool["prefill"], vouched))
+        recovered = time.monotonic() - started + noticed
+    assert not vouched, noticed
     assert out == want and done.cached_tokens < len(ids) - 1
     # The whole 12-token request, fallback included, within a second of the kill.
     assert recovered < 1.0, recovered
     assert metric_sum(pool["decode_metrics"]["decode-0"], "pdserve:kv_transfer_failures_total",
                       'reason="prefill_unreachable"') >= 1
-    print(f"prefill killed: local recompute answered {recovered * 1000:.0f} ms after the kill")
+    print(f"prefill killed: the edge's channel dropped {noticed * 1000:.1f} ms after the kill; "
+          f"local recompute answered {recovered * 1000:.0f} ms after it")
 
 
 STREAM_TOKENS = 400                     # ~5 s of decoding, well inside max_model_len

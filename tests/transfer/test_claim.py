@@ -34,3 +34,26 @@ async def test_the_claim_is_made_unless_the_params_are_marked_fresh():
     assert await claims.refusal(dict(params, **{FRESH_LEASE: True})) is None
     assert await claims.refusal(params) == "prefill_unreachable"
     assert await claims.refusal(dict(params, **{FRESH_LEASE: "yes"})) == "prefill_unreachable"
+
+
+class _Channel:
+    def __init__(self, state):
+        self.state = state
+
+    def get_state(self, try_to_connect: bool = False):
+        return self.state
+
+
+def test_the_edge_vouches_for_a_young_lease_only_while_its_prefill_worker_is_connected():
+    import grpc
+
+    from services.edge.generation import DecodeLeg, fresh_lease
+    params = {"do_remote_decode": True, "remote_request_id": "r-1", LEASE_SECONDS: 6}
+    ready = _Channel(grpc.ChannelConnectivity.READY)
+    leg = DecodeLeg("r", "decode-0", None, params, "127.0.0.1:1", None, 100.0, ready)
+    assert fresh_lease(leg, 100.5)
+    assert not fresh_lease(leg, 105.5)                        # too old: claimed
+    for state in (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+        leg.prefill_channel = _Channel(state)                 # the prefill worker went away
+        assert not fresh_lease(leg, 100.5)
+    assert not fresh_lease(DecodeLeg("r", "decode-0", None), 100.5)     # a local prefill
