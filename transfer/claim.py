@@ -22,9 +22,10 @@ a second after the prefill answered (the prefill worker puts its lease length
 in them, `LEASE_SECONDS`), and while its own connection to the prefill worker
 stands (a worker killed after answering drops it at once; its lease is then
 claimed, and refused within milliseconds, where a pull from the dead worker
-would wait out NIXL's timeout: services/edge/generation.py, `fresh_lease`). Nothing can have ended such a lease: it expires a
-lease after the answer, and only a pull or an Abort ends it sooner, neither of
-which can have happened before its first use. The prefill worker's own fast
+would wait out NIXL's timeout: services/edge/generation.py, `fresh_lease`).
+Nothing can have ended such a lease: it expires a lease after the answer, and
+only a pull or an Abort ends it sooner, neither of which can have happened
+before its first use. The prefill worker's own fast
 path answers the same claim the same way without asking its engine, so the
 check saved the request a round trip between the workers (~1 ms of TTFT on
 this machine) and nothing else. A retry, a moved generation or a late decode

@@ -73,11 +73,18 @@ LEASE_SECONDS = "pdserve_lease_seconds"
 FRESH_LEASE = "pdserve_lease_fresh"
 
 
+def lease_young(age_seconds: float, lease_seconds: float) -> bool:
+    """A lease handed out this long ago cannot have expired yet (a second to spare for
+    the answer's way to whoever holds it). The prefill worker's fast claim and the
+    edge's fresh mark both go by it."""
+    return age_seconds < lease_seconds - 1
+
+
 def lease_is_fresh(prefill_params: dict[str, Any], age_seconds: float) -> bool:
     """Whether params the prefill answered `age_seconds` ago are still certainly held
     (for their first use: a lease is ended only by its expiry, a pull, or an Abort)."""
     lease = prefill_params.get(LEASE_SECONDS)
-    return isinstance(lease, (int, float)) and age_seconds < lease - 1
+    return isinstance(lease, (int, float)) and lease_young(age_seconds, lease)
 
 
 def request_params_for_decode(prefill_params: dict[str, Any],

@@ -19,6 +19,7 @@ from prometheus_client.registry import REGISTRY
 
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 
+from .connector import lease_young
 from .leases import OUTCOMES, request_of
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class KVTransferService(transfer_pb2_grpc.KVTransferServicer):
         # forgets it), and asking the engine's workers would wait for the engine's
         # current step, up to a whole prefill. Any other claim asks them.
         issued = self._issued.pop(request.lease_id, None)
-        fresh = issued is not None and time.monotonic() - issued < self.lease_seconds - 1
+        fresh = issued is not None and lease_young(time.monotonic() - issued, self.lease_seconds)
         if fresh:
             return transfer_pb2.LeaseResponse(found=True)
         state = (await self.leases("claim", [request.lease_id]))[0]

@@ -70,8 +70,7 @@ class LoadNudges:
             self._streams.discard(nudged)
             for task in (nxt, nudge):
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await nxt
+            await asyncio.wait((nxt,))            # the relay's read has stopped
             with contextlib.suppress(Exception):
                 await batches.aclose()
 
