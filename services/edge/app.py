@@ -192,6 +192,8 @@ async def place(app: web.Application, key: APIKey, gen: Generation, started: flo
         raise
     stream.span = span
     stream.stats["ticket"] = ticket
+    stream.readmit = ticket.resume
+    ticket.on_preempt = stream.preempt
     admitted(app, stream, started)
     return stream
 

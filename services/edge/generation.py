@@ -15,6 +15,12 @@ dead worker would have drawn (the new engine's generator starts afresh), and
 presence/frequency penalties forget the tokens generated before the move
 (they count output tokens, which the new leg sees as prompt).
 
+A generation may also be preempted (admission.py takes its slot back for a
+tenant owed it): its leg is aborted, it waits to be admitted again
+(`readmit`), and it goes on as a moved generation does, on whichever decode
+worker the router picks (the one it left, usually: its prefix is cached there),
+with the same guarantees; that is a pause, not a migration.
+
 A leg counts as stalled only when its worker as a whole has been silent that
 long (`Heard`): an edge that is itself behind reads every stream late, and a
 stream it has not read for seconds is not its worker's fault (at 10,000
@@ -145,6 +151,10 @@ class _Stalled(Exception):
     """A decode leg sent nothing within its stall deadline."""
 
 
+class _Preempted(Exception):
+    """Admission took the generation's slot back; it goes on once admitted again."""
+
+
 class Heard:
     """When this edge last read output from each decode worker, on any of its legs."""
 
@@ -174,6 +184,9 @@ class GenerationStream:
     stats: dict = field(default_factory=dict)
     span: Span = INVALID_SPAN                   # the generation's trace span (telemetry.py)
     migrations: list[float] = field(default_factory=list)   # ms from failure to next leg
+    # How the generation waits to be admitted again after a preemption (Ticket.resume).
+    readmit: Callable[[], Awaitable[None]] | None = None
+    preemptions: list[float] = field(default_factory=list)  # ms paused, each time
     failed: dict[str, float] = field(default_factory=dict)  # worker id -> when it failed us
     aborts: set = field(default_factory=set)    # in-flight Abort calls (kept referenced)
     heard: Heard = field(default_factory=Heard)  # shared by the edge's generations
@@ -185,6 +198,8 @@ class GenerationStream:
     _last_output: float = 0.0                   # loop.time() of the leg's last output
     _last_token_at: float = 0.0                 # perf_counter() of the last output with tokens
     _stalled: bool = False
+    _preempted: bool = False
+    _call: Any = None                           # the current leg's call, while it runs
     _watchdog: asyncio.TimerHandle | None = None
 
     @property
@@ -211,6 +226,9 @@ class GenerationStream:
                     failure = f"{e.code().name}: {e.details()}"
                 except _Stalled as e:
                     failure = str(e)
+                except _Preempted:
+                    await self._pause()
+                    continue
                 await self._migrate(failure)
         finally:
             if self.finish_reason is None:
@@ -237,7 +255,8 @@ class GenerationStream:
             call = (leg.calls or leg.stub).Generate(req, timeout=self.gen.remaining(),
                                                     metadata=telemetry.metadata())
         loop = asyncio.get_running_loop()
-        self._last_output, self._stalled = loop.time(), False
+        self._last_output, self._stalled, self._preempted = loop.time(), False, False
+        self._call = call
         self._watch(call)
         try:
             async for resp in call:
@@ -269,10 +288,14 @@ class GenerationStream:
                 yield Chunk([], self.text.finish(), self.finish_reason)
         except asyncio.CancelledError as e:
             error = e
-            if self._stalled and asyncio.current_task().cancelling() == 0:
-                error = _Stalled(f"decode worker {leg.worker_id} sent nothing for "
-                                 f"{self._stall_limit():.1f} s")
-                raise error from None
+            if asyncio.current_task().cancelling() == 0:
+                if self._preempted:
+                    error = _Preempted()
+                    raise error from None
+                if self._stalled:
+                    error = _Stalled(f"decode worker {leg.worker_id} sent nothing for "
+                                     f"{self._stall_limit():.1f} s")
+                    raise error from None
             raise
         except grpc.aio.AioRpcError as e:
             if self.finish_reason is None:
@@ -284,6 +307,7 @@ class GenerationStream:
             error = e
             raise
         finally:
+            self._call = None
             self._watchdog.cancel()
             call.cancel()                       # a no-op once the call has ended
             telemetry.end(span, error, pdserve__decode__tokens=len(self.output_ids) - sent)
@@ -318,6 +342,36 @@ class GenerationStream:
         if resp.chunk.token_ids:
             self.on_chunk(self._tokens(resp.chunk))
         return True
+
+    def preempt(self) -> bool:
+        """Give the slot up (Ticket.on_preempt): stop the current leg's call; `chunks()`
+        then pauses and goes on once admitted again. False when it cannot now: no call
+        runs (it is between legs) or its last output came."""
+        if (self.readmit is None or self._call is None or self.finish_reason is not None
+                or len(self.output_ids) >= self.gen.sampling.max_tokens):
+            return False
+        self._preempted = True
+        if not self._call.cancel():             # it had ended already
+            self._preempted = False
+        return self._preempted
+
+    async def _pause(self) -> None:
+        """After a preemption: abort the leg, wait to be admitted again (within the
+        request's deadline), and place the rest of the generation."""
+        old, began = self.leg, time.perf_counter()
+        old.abandon(self.aborts, f"request {self.gen.request_id} preempted")
+        try:
+            async with asyncio.timeout(self.gen.remaining()):
+                await self.readmit()
+        except TimeoutError:
+            self.gen.remaining()                # raises the deadline's error
+            raise
+        rid = f"{self.gen.request_id}-p{len(self.preemptions) + 1}"
+        await self._next_leg(rid, set())
+        self.preemptions.append((time.perf_counter() - began) * 1000)
+        log.info("request %s: preempted after %d tokens on %s, went on on %s after %.0f ms",
+                 self.gen.request_id, len(self.output_ids), old.worker_id,
+                 self.leg.worker_id, self.preemptions[-1])
 
     def close(self) -> None:
         """End the prefill's lease if the decode never pulled it (the request ended
@@ -374,22 +428,27 @@ class GenerationStream:
                            type="service_unavailable")
         log.warning("request %s: decode worker %s failed after %d tokens (%s); moving it",
                     self.gen.request_id, old.worker_id, len(self.output_ids), failure)
+        await self._next_leg(f"{self.gen.request_id}-m{len(self.migrations) + 1}",
+                             self._excluded())
+        self.migrations.append((time.perf_counter() - began) * 1000)
+        log.info("request %s: moved from %s to %s in %.0f ms", self.gen.request_id,
+                 old.worker_id, self.leg.worker_id, self.migrations[-1])
+
+    async def _next_leg(self, request_id: str, exclude: set[str]) -> None:
+        """Place the rest of the generation (its prompt plus every token sent) as a
+        new leg, waiting a while for a decode worker to serve if none does."""
         wait_until = time.monotonic() + min(self.resilience.place_wait_seconds,
                                             self.gen.remaining())
-        rid = f"{self.gen.request_id}-m{len(self.migrations) + 1}"
         prompt = self.gen.prompt_token_ids + self.output_ids
         while True:
             try:
                 with telemetry.current(self.span):
-                    self.leg, _ = await self.place(self.gen, rid, prompt, self._excluded())
-                break
+                    self.leg, _ = await self.place(self.gen, request_id, prompt, exclude)
+                return
             except APIError as e:
                 if e.status != 503 or time.monotonic() >= wait_until:
                     raise
             await asyncio.sleep(0.25)           # no decode worker serves yet: wait for one
-        self.migrations.append((time.perf_counter() - began) * 1000)
-        log.info("request %s: moved from %s to %s in %.0f ms", self.gen.request_id,
-                 old.worker_id, self.leg.worker_id, self.migrations[-1])
 
     def _excluded(self) -> set[str]:
         """Workers that failed this generation recently (a restarted one, with the same

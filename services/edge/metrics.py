@@ -66,6 +66,9 @@ class EdgeMetrics:
                                     "request waited in the admission queue", buckets=(
                                         0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
                                     registry=r)
+        self.preemptions = Counter("pdserve:preemptions", "Running requests that gave their "
+                                   "slot up to a tenant owed it, and went on once admitted "
+                                   "again", registry=r)
         self.rejections = Counter("pdserve:rejections", "Requests refused at admission "
                                   "(queue_full, wait, draining)", ["reason"], registry=r)
         self.streams_open = Gauge("pdserve:streams_open", "Generations streaming on this edge",

@@ -3,6 +3,7 @@ tenants taking turns, quick 503s when it is full, and drain."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -14,6 +15,7 @@ from services.edge.app import METRICS
 from services.edge.keys import PRIORITIES, APIKey
 from services.edge.openai_protocol import APIError
 from pdserve.v1 import common_pb2, router_pb2
+from support import parse_sse
 from synthetic_stack import edge_stack
 
 
@@ -121,6 +123,172 @@ async def test_a_tenant_below_its_share_on_average_takes_the_next_slot_for_a_pea
     await asyncio.wait_for(queued_burst, 1)
     queued_burst.result().release()
     assert adm.in_flight == 0
+
+
+def preemptible(ticket, answer: bool = True) -> list:
+    """Give `ticket` a stream's preemption hook; the list records each call."""
+    calls = []
+    ticket.on_preempt = lambda: calls.append(ticket.slot) or answer
+    return calls
+
+
+async def test_a_light_tenants_peak_takes_a_slot_back_from_a_heavy_tenant(monkeypatch):
+    import services.edge.admission as admission
+    from services.edge.metrics import EdgeMetrics
+    clock = [1000.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    adm = Admission(max_queue=10, max_wait=60, metrics=EdgeMetrics())
+    adm.observe(4)
+    # As in the test above: for 20 s steady held 1 slot at most, burst 2 (its share).
+    light = await adm.admit(key("steady"))
+    clock[0] += 5
+    (await adm.admit(key("steady"))).release()
+    clock[0] += 5
+    light.release()
+    burst = [await adm.admit(key("burst")) for _ in range(2)]
+    for _ in range(2):
+        clock[0] += 5
+        (await adm.admit(key("steady"))).release()
+    steady = [await adm.admit(key("steady")) for _ in range(2)]
+    hooks = [preemptible(t) for t in burst + steady]
+    assert adm.room == 0
+    # Steady's peak past its share: it preempts burst's newest request at once
+    # (instead of waiting for one to end), and burst never takes one back from steady.
+    assert adm.expected_wait(key("steady")) == 0.0
+    peak = await asyncio.wait_for(adm.admit(key("steady")), 1)
+    assert len(hooks[1]) == 1 and hooks[0] == [] and burst[1].slot == -1
+    assert burst[1].preempted == 1
+    assert adm.metrics.preemptions._value.get() == 1
+    assert adm.in_flight == 4 and adm._holding == {"steady": 3, "burst": 1}
+    # The preempted request waits first in its tenant's line, ahead of a newer one.
+    resumed = asyncio.create_task(burst[1].resume())
+    queued_burst = asyncio.create_task(adm.admit(key("burst")))
+    await asyncio.sleep(0)
+    assert adm.queued == 2 and not resumed.done() and all(h == [] for h in hooks[2:])
+    peak.release()                                  # a slot ends: the preempted one's
+    await asyncio.wait_for(resumed, 1)
+    assert burst[1].slot >= 0 and not queued_burst.done()
+    for t in [burst[0], burst[1], *steady]:
+        t.release()
+    (await asyncio.wait_for(queued_burst, 1)).release()
+    assert adm.in_flight == 0 and adm.queued == 0
+
+
+async def test_no_slot_is_taken_back_from_a_tenant_alone_alike_or_ending(monkeypatch):
+    import services.edge.admission as admission
+    clock = [1000.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    adm = Admission(max_queue=10, max_wait=60)
+    adm.observe(2)
+    # One tenant: its own queued request never preempts its running ones.
+    alone = [await adm.admit(key("a")) for _ in range(2)]
+    hooks = [preemptible(t) for t in alone]
+    waiting = asyncio.create_task(adm.admit(key("a")))
+    await asyncio.sleep(0)
+    assert not waiting.done() and hooks == [[], []]
+    alone[0].release()
+    (await asyncio.wait_for(waiting, 1)).release()
+    alone[1].release()
+    # Two tenants that used the pool alike (one slot each for 10 s): neither preempts.
+    a, b = await adm.admit(key("a")), await adm.admit(key("b"))
+    clock[0] += 10
+    hooks = [preemptible(a), preemptible(b)]
+    waiting = asyncio.create_task(adm.admit(key("a")))
+    await asyncio.sleep(0)
+    assert not waiting.done() and hooks == [[], []]
+    waiting.cancel()
+    # A heavy tenant's requests that cannot give their slots up now (their last
+    # outputs came) are skipped: the light one waits for the next slot to end.
+    a.release()
+    clock[0] += 6                                           # a is gone quiet
+    heavy = [b, await asyncio.wait_for(adm.admit(key("b")), 1)]
+    clock[0] += 10
+    declined = [preemptible(t, answer=False) for t in heavy]
+    light = asyncio.create_task(adm.admit(key("c")))        # holds none of its share
+    await asyncio.sleep(0)
+    assert declined == [[heavy[0].slot], [heavy[1].slot]] and not light.done()
+    assert [t.preempted for t in heavy] == [0, 0]
+    heavy[0].release()
+    (await asyncio.wait_for(light, 1)).release()
+    heavy[1].release()
+    assert adm.in_flight == 0
+
+
+async def test_drain_lets_a_preempted_request_finish():
+    adm = Admission(max_queue=1, max_wait=5)
+    adm.observe(1)
+    ticket = await adm.admit(key("a"))
+    adm._free(ticket.tenant, ticket.slot, held=False)       # as a preemption leaves it
+    ticket.slot = -1
+    other = await adm.admit(key("b"))
+    resumed = asyncio.create_task(ticket.resume())
+    await asyncio.sleep(0)
+    assert not resumed.done()
+    adm.drain()
+    await asyncio.wait_for(resumed, 1)              # admitted, room or not
+    assert ticket.slot >= 0
+    ticket.release()
+    other.release()
+    assert adm.in_flight == 0
+
+
+async def _sse(resp) -> list[dict]:
+    """The JSON events of an SSE response, until [DONE] (which must come)."""
+    body = (await resp.read()).decode()
+    data = [d for _, d in parse_sse(body)]
+    assert data[-1] == "[DONE]", body[-200:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("decode_calls", ["per-request", "batched"])
+async def test_a_tenant_owed_its_share_preempts_and_the_preempted_stream_goes_on(
+        model_dir, tmp_path, decode_calls, monkeypatch):
+    """Real HTTP streams through the edge to a synthetic engine of 2 slots: heavy holds
+    both while light is quiet; light's request takes one back at once, and heavy's
+    preempted stream pauses, is admitted again and ends with every token, its new leg
+    asking for the rest only."""
+    import services.edge.admission as admission
+    # Use averaged over 0.05 s, not 5: heavy is heavy at once. (The synthetic engine's
+    # chunks are 4 token ids each, and a stream past its max_tokens in ids is never
+    # preempted, so light must come early.)
+    monkeypatch.setattr(admission, "USE_SECONDS", 0.05)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-heavy-0123456789 heavy normal\nsk-light-0123456789 light normal\n")
+    heavy = {"Authorization": "Bearer sk-heavy-0123456789"}
+    light = {"Authorization": "Bearer sk-light-0123456789"}
+    async with edge_stack(model_dir, rate=50.0, capacity=2, api_keys_file=str(keys),
+                          decode_calls=decode_calls, admission_wait_seconds=10.0) as stack:
+        await stack.until(lambda: stack.admission.capacity == 2)
+        async with aiohttp.ClientSession() as http:
+            running = [await http.post(f"{stack.url}/v1/completions", headers=heavy,
+                                       json=stack.body(100)) for _ in range(2)]
+            assert [r.status for r in running] == [200, 200]
+            readers = [asyncio.create_task(_sse(r)) for r in running]
+            await asyncio.sleep(0.1)                # heavy has used the pool a while
+            started = time.perf_counter()
+            async with http.post(f"{stack.url}/v1/completions", headers=light,
+                                 json=stack.body(5)) as r:
+                assert r.status == 200
+                assert float(r.headers["x-pdserve-queue-ms"]) < 50     # no wait for a slot
+                events = await _sse(r)
+            light_took = time.perf_counter() - started
+            heavy_events = await asyncio.gather(*readers)
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in events) >= 1
+    print(f"\nlight's request took {light_took * 1000:.0f} ms beside heavy's two")
+    assert light_took < 1.0                          # not the ~1 s a heavy stream has left
+    assert stack.metrics.preemptions._value.get() == 1
+    for events, resp in zip(heavy_events, running):
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    # The preempted leg's engine request, and the one that went on: the same prompt
+    # plus what had been sent, asking only for the tokens still owed.
+    legs = {rid: req for rid, req in stack.engine.requests.items() if "-p" in rid}
+    assert len(legs) == 1
+    [(rid, (prompt, owed))] = legs.items()
+    first_prompt, first_owed = stack.engine.requests[rid.rsplit("-p", 1)[0]]
+    sent = prompt[len(first_prompt):]
+    assert prompt[:len(first_prompt)] == first_prompt and first_owed == 100
+    assert 0 < len(sent) < 100 and owed == 100 - len(sent)
+    assert not stack.engine.running
 
 
 async def test_room_is_the_capacity_less_our_requests_in_flight():
