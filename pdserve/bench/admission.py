@@ -372,9 +372,11 @@ class _Load:
 # --- what the edge and the engine say ----------------------------------------------------
 
 def _scrape(urls: list[str]) -> dict[str, dict[str, float]]:
-    """The edges' admission series, summed: queue-wait histogram and rejections by reason."""
+    """The edges' admission series, summed: queue-wait histogram, rejections by reason,
+    preemptions."""
     from prometheus_client.parser import text_string_to_metric_families
-    out: dict[str, dict[str, float]] = {"wait_bucket": {}, "wait": {}, "rejections": {}}
+    out: dict[str, dict[str, float]] = {"wait_bucket": {}, "wait": {}, "rejections": {},
+                                        "preemptions": {}}
 
     def add(series: str, key: str, value: float) -> None:
         out[series][key] = out[series].get(key, 0.0) + value
@@ -390,6 +392,8 @@ def _scrape(urls: list[str]) -> dict[str, dict[str, float]]:
                     add("wait", s.name.rsplit("_", 1)[1], s.value)
                 elif s.name == "pdserve:rejections_total":
                     add("rejections", s.labels["reason"], s.value)
+                elif s.name == "pdserve:preemptions_total":
+                    add("preemptions", "total", s.value)
     return out
 
 
@@ -562,6 +566,8 @@ class _Runner:
         run["rejections_by_reason"] = {k: int(v - before["rejections"].get(k, 0))
                                        for k, v in after["rejections"].items()
                                        if v - before["rejections"].get(k, 0)}
+        run["preemptions"] = int(after["preemptions"].get("total", 0)
+                                 - before["preemptions"].get("total", 0))
         progress(f"  {_line(run)}")
         time.sleep(self.st.settle)
         return run

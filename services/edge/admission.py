@@ -39,7 +39,7 @@ shut others out of it.
 A slot can also be taken back (`_preempt`): a waiting tenant that has used less
 than its share on average (or holds less than its share now) may preempt the
 newest running request of a tenant in its class or below that has used the
-pool more than it on average (by CREDIT slots or more). Without it, a light
+pool more than it on average (by MARGIN slots or more). Without it, a light
 tenant's peak past its share waits for the next slot to end (~0.13 s at p99 on
 the tiny model's 32-token requests) while the heavy tenant keeps every other
 slot full. The preempted request is not lost: its stream gives the slot
@@ -49,6 +49,12 @@ has sent, as a moved generation does (generation.py). vLLM does the same inside
 one engine when its KV cache runs out (recompute preemption); this does it
 across the pool, for fairness. A request is preempted at most PREEMPT_LIMIT
 times; one tenant alone, or tenants that have used the pool alike, never are.
+Because slots can be taken back, a tenant past its share may also take the
+slots another is owed once that tenant could preempt it (`_past_share`): the
+pool stays full instead of holding the light tenant's unused share idle, and
+the light tenant's next request takes its slot back. A request is preemptible
+once its stream has a decode leg placed (`Ticket.running` wakes the queue
+then); one still in its first prefill is not.
 
 The queue is bounded in length and in wait, and a refusal is a 503 with
 `Retry-After` (a caller that is refused quickly can go elsewhere; one that
@@ -85,7 +91,9 @@ HOLD_MARGIN = 4.0                   # deviations of the hold time added to an ex
 USE_SECONDS = ACTIVE_SECONDS        # time constant of a tenant's mean use of the pool
 CREDIT = 0.25                       # slots below its share, on average, a tenant must be to
                                     # go past its share (a moment below it earns nothing)
-PREEMPT_LIMIT = 2                   # times one request may give its slot up to another tenant
+PREEMPT_LIMIT = 4                   # times one request may give its slot up to another tenant
+MARGIN = CREDIT / 2                 # slots more, on average, a tenant must have used than
+                                    # another for it to be preempted for it (hysteresis)
 
 
 @dataclass(slots=True)
@@ -109,6 +117,12 @@ class Ticket:
             self.released = True
             if self.slot >= 0:
                 self.admission._released(self.tenant, self.slot)
+
+    def running(self) -> None:
+        """Its stream has a leg running (so it can give the slot up now): a request
+        waiting for one may take it (`Admission._preempt`)."""
+        if self.admission.queued and self.slot >= 0:
+            self.admission._dispatch()
 
     async def resume(self) -> None:
         """After a preemption: wait for a slot again, first in its tenant's line and
@@ -218,7 +232,7 @@ class Admission:
         ahead += mine
         ends = ahead + 1 - max(0, int(self.room))         # slots that must free first
         capped = (owed and self._holding.get(key.tenant, 0) + mine >= share
-                  and not self._credited(key.tenant, share, now))
+                  and not self._past_share(key.tenant, share, now))
         slots = [taken for taken, tenant in self._slots.values()
                  if not capped or tenant == key.tenant]
         if capped:
@@ -249,17 +263,30 @@ class Admission:
         """Room for `tenant`. Each tenant active now (it asked in the last
         ACTIVE_SECONDS) is guaranteed its share of the pool: below it, a tenant
         takes any free slot; at or above it, only slots that no other active
-        tenant is still owed. Slots cannot be taken back from a running request,
-        so a tenant that keeps the pool full leaves the others' unused shares
+        tenant is still owed, unless it may go past its share (`_past_share`).
+        So a tenant that keeps the pool full leaves the others' unused shares
         free for their next requests instead of making them wait for one to end
-        (the price: those slots may idle while their tenant is quiet). `fair`:
-        `_fair()`, when the caller asks for many tenants at one moment."""
+        (the price: those slots may idle while their tenant is quiet), until
+        they could take them back by preemption. `fair`: `_fair()`, when the
+        caller asks for many tenants at one moment."""
         if self.room < 1:
             return False
         share, owed = fair or self._fair()
         # At or past its share, a tenant is owed nothing itself: all of `owed` is others'.
         return (self._holding.get(tenant, 0) < share or self.room - owed >= 1
-                or self._credited(tenant, share, time.monotonic()))
+                or self._past_share(tenant, share, time.monotonic()))
+
+    def _past_share(self, tenant: str, share: float, now: float) -> bool:
+        """`tenant` may take a slot another active tenant is owed: it is credited, or
+        every tenant still owed its share could take the slot back (`_victim`: it has
+        used the pool CREDIT slots less than `tenant`). Then a burst keeps the pool
+        full instead of leaving the others' shares idle, and their next requests
+        preempt it."""
+        if self._credited(tenant, share, now):
+            return True
+        used = self.use(tenant, now) - CREDIT
+        return all(self.use(t, now) <= used for t in self._seen
+                   if t != tenant and self._holding.get(t, 0) < share)
 
     def use(self, tenant: str, now: float) -> float:
         """`tenant`'s slots held, averaged exponentially over USE_SECONDS (0 before its
@@ -422,8 +449,8 @@ class Admission:
         waiting tenant (or `waiting`, of `priority`), by class and then by least use,
         that may go past what it holds (below its share now, or credited), and the
         newest preemptible request of a tenant in its class or below that has used
-        the pool more than the waiting tenant, on average, by CREDIT slots or more
-        (so two tenants never take slots back from each other in turn)."""
+        the pool more than the waiting tenant, on average, by MARGIN slots or more
+        (so two tenants do not take slots back from each other in turn)."""
         holders = [t for t, n in self._holding.items() if n]
         if not self._tickets or holders == [waiting]:
             return None
@@ -436,7 +463,7 @@ class Admission:
             if holders == [tenant] or not (self._holding.get(tenant, 0) < share or self._credited(tenant, share, now)):
                 continue
             used = self.use(tenant, now)
-            heavy = {t for t in holders if t != tenant and self.use(t, now) >= used + CREDIT}
+            heavy = {t for t in holders if t != tenant and self.use(t, now) >= used + MARGIN}
             # Newest first (the least work to redo), those preempted before last.
             victims = [ticket for slot in reversed(self._slots)
                        if (ticket := self._tickets.get(slot)) is not None

@@ -192,7 +192,7 @@ async def place(app: web.Application, key: APIKey, gen: Generation, started: flo
         raise
     stream.span = span
     stream.stats["ticket"] = ticket
-    stream.readmit = ticket.resume
+    stream.readmit, stream.running = ticket.resume, ticket.running
     ticket.on_preempt = stream.preempt
     admitted(app, stream, started)
     return stream

@@ -186,6 +186,7 @@ class GenerationStream:
     migrations: list[float] = field(default_factory=list)   # ms from failure to next leg
     # How the generation waits to be admitted again after a preemption (Ticket.resume).
     readmit: Callable[[], Awaitable[None]] | None = None
+    running: Callable[[], None] | None = None   # called as each leg's call starts
     preemptions: list[float] = field(default_factory=list)  # ms paused, each time
     failed: dict[str, float] = field(default_factory=dict)  # worker id -> when it failed us
     aborts: set = field(default_factory=set)    # in-flight Abort calls (kept referenced)
@@ -239,11 +240,17 @@ class GenerationStream:
     async def _leg_chunks(self) -> AsyncIterator[Chunk]:
         """The current leg's output; raises AioRpcError or _Stalled when it fails."""
         leg, sent = self.leg, len(self.output_ids)
+        if self._preempted:                     # preempted before this leg's call
+            raise _Preempted()
         sampling = self.gen.sampling
         if sent:                                # a moved leg owes only the rest
             sampling = common_pb2.SamplingParams()
             sampling.CopyFrom(self.gen.sampling)
             sampling.max_tokens -= sent
+            if sampling.max_tokens <= 0:        # the last token came, its end did not
+                self.finish_reason = "length"
+                yield Chunk([], self.text.finish(), self.finish_reason)
+                return
         req = decode_request(leg.request_id, self.gen.prompt_token_ids + self.output_ids,
                              sampling, leg.prefill_params, leg.prefill_address,
                              fresh_lease(leg, time.monotonic()))
@@ -255,9 +262,11 @@ class GenerationStream:
             call = (leg.calls or leg.stub).Generate(req, timeout=self.gen.remaining(),
                                                     metadata=telemetry.metadata())
         loop = asyncio.get_running_loop()
-        self._last_output, self._stalled, self._preempted = loop.time(), False, False
+        self._last_output, self._stalled = loop.time(), False
         self._call = call
         self._watch(call)
+        if self.running is not None:
+            self.running()                      # it may be preempted from now on
         try:
             async for resp in call:
                 self._last_output = self.heard.at[leg.worker_id] = loop.time()
@@ -289,6 +298,11 @@ class GenerationStream:
         except asyncio.CancelledError as e:
             error = e
             if asyncio.current_task().cancelling() == 0:
+                if self._preempted and self.finish_reason is not None:
+                    # Preempted once its last message was in: nothing is owed.
+                    error = None
+                    yield Chunk([], self.text.finish(), self.finish_reason)
+                    return
                 if self._preempted:
                     error = _Preempted()
                     raise error from None
@@ -344,13 +358,16 @@ class GenerationStream:
         return True
 
     def preempt(self) -> bool:
-        """Give the slot up (Ticket.on_preempt): stop the current leg's call; `chunks()`
-        then pauses and goes on once admitted again. False when it cannot now: no call
-        runs (it is between legs) or its last output came."""
-        if (self.readmit is None or self._call is None or self.finish_reason is not None
+        """Give the slot up (Ticket.on_preempt): stop the current leg's call (or, between
+        legs, the next one before it starts); `chunks()` then pauses and goes on once
+        admitted again. False when it cannot now: it was just preempted, or its last
+        output came."""
+        if (self.readmit is None or self._preempted or self.finish_reason is not None
                 or len(self.output_ids) >= self.gen.sampling.max_tokens):
             return False
         self._preempted = True
+        if self._call is None:                  # between legs: the next one pauses first
+            return True
         if not self._call.cancel():             # it had ended already
             self._preempted = False
         return self._preempted
@@ -360,6 +377,7 @@ class GenerationStream:
         request's deadline), and place the rest of the generation."""
         old, began = self.leg, time.perf_counter()
         old.abandon(self.aborts, f"request {self.gen.request_id} preempted")
+        self._preempted = False
         try:
             async with asyncio.timeout(self.gen.remaining()):
                 await self.readmit()

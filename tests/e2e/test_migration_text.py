@@ -92,3 +92,46 @@ async def test_a_moved_generation_keeps_its_text(stack, reference, model_dir, ho
     assert stream.leg.prefill_params is not None        # the rest was prefilled remotely
     assert stream.completion_tokens == MAX_TOKENS
     assert text == reference[case.name]["text"]
+
+
+async def test_a_preempted_generation_keeps_its_text(stack, reference, model_dir):
+    """Admission's preemption (services/edge/admission.py) pauses a generation on real
+    engines: its leg is aborted, and once admitted again it goes on from the tokens
+    sent with the same text as an uninterrupted run."""
+    service = RouterService(RouterConfig(port=0))
+    router = Server("127.0.0.1", 0, lambda s: router_pb2_grpc.add_RouterServicer_to_server(
+        service, s), ["pdserve.v1.Router"])
+    await router.start()
+    for wid, role, address in [("prefill", common_pb2.WORKER_ROLE_PREFILL, stack.prefill),
+                               ("decode", common_pb2.WORKER_ROLE_DECODE, stack.decode)]:
+        await service.Register(router_pb2.RegisterRequest(worker=router_pb2.WorkerInfo(
+            worker_id=wid, role=role, address=address, model=stack.model, serving=True)), None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    orchestrator = Orchestrator(f"127.0.0.1:{router.port}", request_timeout=120,
+                                tokenizer=tokenizer, resilience=Resilience())
+    case = next(c for c in CASES if c.kind == "completion")
+    readmitted = []
+
+    async def readmit() -> None:                # as Ticket.resume: a slot frees later
+        await asyncio.sleep(0.2)
+        readmitted.append(len(stream.output_ids))
+    try:
+        stream = await orchestrator.start(Generation(
+            request_id="preempted", model=stack.model,
+            prompt_token_ids=tokenizer.encode(case.payload["prompt"]),
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                               ignore_eos=True)))
+        stream.readmit = readmit
+        chunks, asked = [], False
+        async for chunk in stream.chunks():
+            chunks.append(chunk.text)
+            if len(stream.output_ids) >= 5 and not asked:
+                asked = True
+                assert stream.preempt() and not stream.preempt()    # once: it is pausing
+    finally:
+        await orchestrator.close()
+        await router.stop(0)
+    assert len(readmitted) == 1 and 5 <= readmitted[0] < MAX_TOKENS
+    assert len(stream.preemptions) == 1 and not stream.migrations
+    assert stream.completion_tokens == MAX_TOKENS
+    assert "".join(chunks) == reference[case.name]["text"]

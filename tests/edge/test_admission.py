@@ -174,6 +174,32 @@ async def test_a_light_tenants_peak_takes_a_slot_back_from_a_heavy_tenant(monkey
     assert adm.in_flight == 0 and adm.queued == 0
 
 
+async def test_a_burst_fills_a_share_its_owner_could_take_back(monkeypatch):
+    import services.edge.admission as admission
+    clock = [1000.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    adm = Admission(max_queue=10, max_wait=60)
+    adm.observe(4)
+    (await adm.admit(key("steady"))).release()          # steady: active, using nothing
+    burst = [await adm.admit(key("burst")) for _ in range(2)]
+    third = asyncio.create_task(adm.admit(key("burst")))
+    await asyncio.sleep(0)
+    assert not third.done()             # alike so far: steady's share stays free
+    third.cancel()
+    for _ in range(2):                  # 10 s on: burst has used ~1.7 slots, steady ~0
+        clock[0] += 5
+        (await adm.admit(key("steady"))).release()
+    # Now steady could take a slot back from burst: burst fills steady's share too.
+    burst += [await asyncio.wait_for(adm.admit(key("burst")), 1) for _ in range(2)]
+    assert adm.room == 0
+    hooks = [preemptible(t) for t in burst]
+    mine = await asyncio.wait_for(adm.admit(key("steady")), 1)     # and it does
+    assert [len(h) for h in hooks] == [0, 0, 0, 1] and burst[3].slot == -1
+    for t in [*burst[:3], mine]:
+        t.release()
+    assert adm.in_flight == 0
+
+
 async def test_no_slot_is_taken_back_from_a_tenant_alone_alike_or_ending(monkeypatch):
     import services.edge.admission as admission
     clock = [1000.0]
