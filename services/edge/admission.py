@@ -385,15 +385,19 @@ class Admission:
             # Decided as the wait ran out: admitted (its slot is taken), or refused.
             refused = waiter.future.result()
         except asyncio.CancelledError:
-            if _granted(waiter):
-                # Admitted as the caller left: give it back (not a hold to learn from).
-                self._released(key.tenant, waiter.slot, held=False)
-            else:
-                self._remove(key, waiter)
+            self._left(key, waiter)
             raise
         if refused is not None:
             raise refused
         return self._ticket(key, waiter.slot, time.monotonic() - waiter.queued_at)
+
+    def _left(self, key: APIKey | Ticket, waiter: _Waiter) -> None:
+        """The waiter's caller went away: its slot back if it was admitted as it left
+        (not a hold to learn from), else its place in the line."""
+        if _granted(waiter):
+            self._released(key.tenant, waiter.slot, held=False)
+        else:
+            self._remove(key, waiter)
 
     def _ticket(self, key: APIKey, slot: int, waited: float) -> Ticket:
         if self.metrics is not None:
@@ -413,10 +417,7 @@ class Admission:
         try:
             await waiter.future
         except asyncio.CancelledError:
-            if _granted(waiter):
-                self._released(ticket.tenant, waiter.slot, held=False)
-            else:
-                self._remove(ticket, waiter)
+            self._left(ticket, waiter)
             raise
         ticket.slot = waiter.slot
         self._tickets[waiter.slot] = ticket
@@ -460,7 +461,8 @@ class Admission:
                   [(p, t) for p, lines in enumerate(self._lines)
                    for _, t in sorted((self.use(t, now), t) for t in lines)])
         for p, tenant in asking:
-            if holders == [tenant] or not (self._holding.get(tenant, 0) < share or self._credited(tenant, share, now)):
+            if holders == [tenant] or not (self._holding.get(tenant, 0) < share
+                                           or self._credited(tenant, share, now)):
                 continue
             used = self.use(tenant, now)
             heavy = {t for t in holders if t != tenant and self.use(t, now) >= used + MARGIN}
@@ -531,7 +533,7 @@ class Admission:
             return True
         return False
 
-    def _remove(self, key: APIKey, waiter: _Waiter) -> None:
+    def _remove(self, key: APIKey | Ticket, waiter: _Waiter) -> None:
         line = self._lines[key.priority].get(key.tenant)
         if line is not None and waiter in line:
             line.remove(waiter)

@@ -238,7 +238,8 @@ class GenerationStream:
                 self.leg.end_lease(self.aborts, f"request {self.gen.request_id} ended")
 
     async def _leg_chunks(self) -> AsyncIterator[Chunk]:
-        """The current leg's output; raises AioRpcError or _Stalled when it fails."""
+        """The current leg's output; raises AioRpcError or _Stalled when it fails, and
+        _Preempted when admission takes its slot back."""
         leg, sent = self.leg, len(self.output_ids)
         if self._preempted:                     # preempted before this leg's call
             raise _Preempted()
