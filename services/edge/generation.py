@@ -90,8 +90,7 @@ class Generation:
         """Seconds left of the request's budget; raises the deadline error at 0."""
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise APIError(504, "the request's deadline passed before it finished",
-                           type="timeout", code="deadline_exceeded")
+            raise deadline_passed()
         return left
 
 
@@ -250,7 +249,7 @@ class GenerationStream:
             sampling.max_tokens -= sent
             if sampling.max_tokens <= 0:        # the last token came, its end did not
                 self.finish_reason = "length"
-                yield Chunk([], self.text.finish(), self.finish_reason)
+                yield self._end_chunk()
                 return
         req = decode_request(leg.request_id, self.gen.prompt_token_ids + self.output_ids,
                              sampling, leg.prefill_params, leg.prefill_address,
@@ -295,14 +294,14 @@ class GenerationStream:
                         and not self.text.has_stop_strings):
                     call.sink = self._steady
             if self.finish_reason is not None:
-                yield Chunk([], self.text.finish(), self.finish_reason)
+                yield self._end_chunk()
         except asyncio.CancelledError as e:
             error = e
             if asyncio.current_task().cancelling() == 0:
                 if self._preempted and self.finish_reason is not None:
                     # Preempted once its last message was in: nothing is owed.
                     error = None
-                    yield Chunk([], self.text.finish(), self.finish_reason)
+                    yield self._end_chunk()
                     return
                 if self._preempted:
                     error = _Preempted()
@@ -317,7 +316,7 @@ class GenerationStream:
                 error = e
                 raise
             # The call failed after its last message: nothing is lost.
-            yield Chunk([], self.text.finish(), self.finish_reason)
+            yield self._end_chunk()
         except BaseException as e:
             error = e
             raise
@@ -326,6 +325,10 @@ class GenerationStream:
             self._watchdog.cancel()
             call.cancel()                       # a no-op once the call has ended
             telemetry.end(span, error, pdserve__decode__tokens=len(self.output_ids) - sent)
+
+    def _end_chunk(self) -> Chunk:
+        """The stream's last chunk, once `finish_reason` is known: the text held back."""
+        return Chunk([], self.text.finish(), self.finish_reason)
 
     def _tokens(self, c) -> Chunk:
         """A decode chunk's tokens taken into the stream: timings, ids, text."""
@@ -383,8 +386,7 @@ class GenerationStream:
             async with asyncio.timeout(self.gen.remaining()):
                 await self.readmit()
         except TimeoutError:
-            self.gen.remaining()                # raises the deadline's error
-            raise
+            raise deadline_passed() from None
         rid = f"{self.gen.request_id}-p{len(self.preemptions) + 1}"
         await self._next_leg(rid, set())
         self.preemptions.append((time.perf_counter() - began) * 1000)
@@ -477,9 +479,14 @@ class GenerationStream:
 
     def _final_error(self, e: grpc.aio.AioRpcError) -> APIError:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return APIError(504, "the request's deadline passed before it finished",
-                            type="timeout", code="deadline_exceeded")
+            return deadline_passed()
         return api_error(e, f"decode worker {self.leg.worker_id}")
+
+
+def deadline_passed() -> APIError:
+    """The error a request gets when its budget runs out (one wording, one status)."""
+    return APIError(504, "the request's deadline passed before it finished",
+                    type="timeout", code="deadline_exceeded")
 
 
 def fresh_lease(leg: DecodeLeg, now: float) -> bool:
