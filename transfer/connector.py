@@ -45,6 +45,14 @@ def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
     }
 
 
+def continues_prefill(role: str, cfg: KVTransferConfig) -> bool:
+    """Whether a worker of `role` with this config takes a decode request whose prompt
+    goes on past the prefill's KV (the prefill's sampled token appended) and computes
+    the rest itself: pdserve's pull connector does (transfer/vllm_nixl.py); the push
+    connector writes into blocks sized for the prompt alone, so it does not."""
+    return role == "decode" and cfg.mode == "pull"
+
+
 def engine_kv_env(cfg: KVTransferConfig) -> dict[str, str]:
     """Process environment the connector reads (vLLM reads these, not flags)."""
     return {

@@ -29,6 +29,14 @@ from vLLM's own, alike in both:
 
 4. On a prefill engine, every lease (the blocks held for a decoder) can be
    ended or claimed by id and ends with one counted outcome (`leases.py`).
+
+And the pull connector's decode side loads no more of a prompt than the
+prefill computed (`remote_num_tokens` in its params): a decode request may
+then carry the prompt plus the token the prefill sampled, and its engine
+computes that token's KV itself where vLLM's would read the prefill's
+unwritten slot for it (or fail on a block the prefill never had). That is
+what lets the edge stream the prefill's token at once (`continues_prefill`
+in the worker's registration).
 """
 from __future__ import annotations
 
@@ -159,7 +167,25 @@ class _Tuned:
 
 
 class NixlConnector(_Tuned, _VllmNixlConnector):
-    """vLLM's pull connector (the decode engine READs the prefill's blocks), tuned."""
+    """vLLM's pull connector (the decode engine READs the prefill's blocks), tuned;
+    its decode side loads at most the prompt tokens the prefill computed."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        """Called by the decode engine's scheduler for a waiting request: how many of
+        its tokens past `num_computed_tokens` the pull brings. Capped at the prefill's
+        `remote_num_tokens`: a prompt that goes on past what the prefill computed
+        (its sampled token appended) has the rest computed here."""
+        count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        params = request.kv_transfer_params
+        if count and params and params.get("do_remote_prefill"):
+            remote = params.get("remote_num_tokens")
+            if isinstance(remote, int) and remote > 0 and num_computed_tokens + count > remote:
+                count = remote - num_computed_tokens
+                if count <= 0:
+                    # NOTE: the local prefix cache holds all the prefill computed; the
+                    # connector still frees the prefill's blocks (a full local hit).
+                    return 0, False
+        return count, load_async
 
 
 class NixlPushConnector(_Tuned, _VllmNixlPushConnector):

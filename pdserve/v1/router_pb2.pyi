@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "serving", "last_seen_unix_ms", "load", "capacity", "kv_usage")
+    __slots__ = ("worker_id", "role", "address", "model", "serving", "last_seen_unix_ms", "load", "capacity", "kv_usage", "continues_prefill")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class WorkerInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_PREFILL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     address: str
@@ -27,7 +28,8 @@ class WorkerInfo(_message.Message):
     load: int
     capacity: int
     kv_usage: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., load: _Optional[int] = ..., capacity: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+    continues_prefill: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., last_seen_unix_ms: _Optional[int] = ..., load: _Optional[int] = ..., capacity: _Optional[int] = ..., kv_usage: _Optional[float] = ..., continues_prefill: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)

@@ -38,6 +38,10 @@ class TextStream:
         self._sent = 0
         self.stop_string: str | None = None          # set once a stop string ended the text
 
+    def stops_at(self, token_id: int) -> bool:
+        """Whether the engine ends generation at this token (a stop id, or EOS)."""
+        return token_id in self._rule.stop_token_ids
+
     def add(self, token_ids) -> str:
         """Text newly safe to send after these tokens ("" when none)."""
         if self.stop_string is not None:

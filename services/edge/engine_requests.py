@@ -49,6 +49,25 @@ def prefill_request(request_id: str, prompt_ids: list[int],
         kv_transfer_params_json=json.dumps(request_params_for_prefill()))
 
 
+def continues_from_prefill_token(sampling: common_pb2.SamplingParams,
+                                 prefill_params: dict[str, Any]) -> bool:
+    """Whether a decode leg may go on from the prompt plus the token its prefill sampled
+    (which the client then gets at once) and be what one engine would generate: the
+    prefill says how many tokens it computed (`remote_num_tokens`, which the decode
+    worker's connector loads no more than), and the sampling does not tell the token
+    apart from the prompt. Greedy always qualifies; with sampling, a seed (the decode
+    engine's generator would start one draw late) and presence/frequency penalties
+    (they count output tokens only; vLLM's repetition penalty counts the prompt too)
+    do not."""
+    computed = prefill_params.get("remote_num_tokens")
+    if not isinstance(computed, int) or isinstance(computed, bool) or computed <= 0:
+        return False
+    if sampling.temperature == 0:
+        return True
+    return (not sampling.HasField("seed") and sampling.presence_penalty == 0
+            and sampling.frequency_penalty == 0)
+
+
 def decode_request(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
                    prefill_params: dict[str, Any] | None, prefill_address: str = "",
                    fresh: bool = False) -> vllm_engine_pb2.GenerateRequest:

@@ -15,6 +15,11 @@ dead worker would have drawn (the new engine's generator starts afresh), and
 presence/frequency penalties forget the tokens generated before the move
 (they count output tokens, which the new leg sees as prompt).
 
+A leg whose prefill sampled its first token, on a decode worker that goes on
+after such a token (`DecodeLeg.first_token`), sends that token to the client
+before the decode call even starts: the client's first token does not wait for
+the KV handover, and the decode leg is asked for the rest, as a moved leg is.
+
 A generation may also be preempted (admission.py takes its slot back for a
 tenant owed it): its leg is aborted, it waits to be admitted again
 (`readmit`), and it goes on as a moved generation does, on whichever decode
@@ -117,6 +122,9 @@ class DecodeLeg:
     prefilled_at: float = 0.0                   # time.monotonic() when the prefill answered
     prefill_channel: Any = None                 # this edge's channel to the prefill worker
     calls: Any = None                           # BatchedCalls (batched.py), else stub's Generate
+    # The token the prefill sampled, when the decode engine goes on after it: sent to
+    # the client before the decode call starts (taken once; None otherwise).
+    first_token: int | None = None
     started: bool = False                       # its first output came
     pulled: bool = False                        # ...and it had pulled the prefill's blocks
     abandoned: bool = False
@@ -242,6 +250,25 @@ class GenerationStream:
         leg, sent = self.leg, len(self.output_ids)
         if self._preempted:                     # preempted before this leg's call
             raise _Preempted()
+        first_leg = not sent
+        token, leg.first_token = leg.first_token, None
+        if token is not None:
+            # The prefill's token, out before the decode's handover: the decode leg is
+            # then asked for what follows it, like a moved leg.
+            chunk = self._tokens([token])
+            if chunk.finish_reason is None:
+                if self.text.stops_at(token):
+                    self.finish_reason = "stop"
+                elif len(self.output_ids) >= self.gen.sampling.max_tokens:
+                    self.finish_reason = "length"
+            yield chunk
+            if self.finish_reason is not None:
+                if chunk.finish_reason is None:
+                    yield self._end_chunk()
+                return
+            if self._preempted:                 # preempted while the token went out
+                raise _Preempted()
+            sent = len(self.output_ids)
         sampling = self.gen.sampling
         if sent:                                # a moved leg owes only the rest
             sampling = common_pb2.SamplingParams()
@@ -282,11 +309,11 @@ class GenerationStream:
                     # A pull leaves all but the last prompt token cached.
                     leg.pulled = (leg.prefill_params is not None and
                                   c.cached_tokens >= len(req.tokenized.input_ids) - 1)
-                    if not sent:
+                    if first_leg:
                         self._first_chunk(c.cached_tokens)
                 if not c.token_ids:
                     continue
-                chunk = self._tokens(c)
+                chunk = self._tokens(list(c.token_ids))     # read out of the message once
                 yield chunk
                 if chunk.finish_reason is not None:
                     return                      # the edge saw the stop string first
@@ -330,15 +357,14 @@ class GenerationStream:
         """The stream's last chunk, once `finish_reason` is known: the text held back."""
         return Chunk([], self.text.finish(), self.finish_reason)
 
-    def _tokens(self, c) -> Chunk:
-        """A decode chunk's tokens taken into the stream: timings, ids, text."""
+    def _tokens(self, ids: list[int]) -> Chunk:
+        """Output tokens taken into the stream: timings, ids, text."""
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
         else:
             self.token_gaps.append(now - self._last_token_at)
         self._last_token_at = now
-        ids = list(c.token_ids)                 # read out of the message once
         self.output_ids += ids
         text = self.text.add(ids)
         if self.text.stop_string is not None:
@@ -358,7 +384,7 @@ class GenerationStream:
         self._last_output = self.heard.at[self.leg.worker_id] = \
             asyncio.get_running_loop().time()
         if resp.chunk.token_ids:
-            self.on_chunk(self._tokens(resp.chunk))
+            self.on_chunk(self._tokens(list(resp.chunk.token_ids)))
         return True
 
     def preempt(self) -> bool:

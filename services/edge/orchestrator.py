@@ -34,7 +34,7 @@ from pdserve.v1 import router_pb2, router_pb2_grpc, transfer_pb2, transfer_pb2_g
 from .batched import BATCH_FROM, BatchedCalls
 from .batched import SERVICE_NAME as BATCHED_SERVICE
 from .detokenizer import StopRule, TextStream
-from .engine_requests import prefill_request
+from .engine_requests import continues_from_prefill_token, prefill_request
 from .generation import (DecodeLeg, Generation, GenerationStream, Heard, Resilience, api_error,
                          in_background)
 
@@ -154,15 +154,21 @@ class Orchestrator:
                        "cached_tokens": decision.cached_tokens}
         failed = 0
         while not decision.local_prefill:
-            params, leg = await self._prefill(gen, request_id, prompt, decision.prefill)
+            params, token, leg = await self._prefill(gen, request_id, prompt, decision.prefill)
             if params is not None:
                 stats.update(leg)
                 address = decision.prefill.address
                 prefilled_at = time.monotonic()
+                # The prefill's token goes to the client now when the decode worker can
+                # go on after it (engine_requests.continues_from_prefill_token).
+                if not (decision.decode.continues_prefill and
+                        continues_from_prefill_token(gen.sampling, params)):
+                    token = None
                 return DecodeLeg(request_id, decision.decode.worker_id,
                                  self._engine(decision.decode.address), params, address,
                                  self._leases(address), prefilled_at, self._channel(address),
-                                 calls=await self._decode_calls(decision.decode.address)), stats
+                                 calls=await self._decode_calls(decision.decode.address),
+                                 first_token=token), stats
             failed += 1
             if failed >= self.resilience.prefill_attempts:
                 break
@@ -200,27 +206,32 @@ class Orchestrator:
         return decision
 
     async def _prefill(self, gen: Generation, request_id: str, prompt: list[int],
-                       worker: router_pb2.WorkerInfo) -> tuple[dict[str, Any] | None, dict]:
+                       worker: router_pb2.WorkerInfo
+                       ) -> tuple[dict[str, Any] | None, int | None, dict]:
         """The prefill leg, traced as one span (the worker's call its child)."""
         span = telemetry.span("prefill", attributes={"pdserve.worker.id": worker.worker_id,
                                                      "pdserve.request.id": request_id})
         try:
             with telemetry.current(span):
-                params, leg = await self._prefill_leg(gen, request_id, prompt, worker)
+                params, token, leg = await self._prefill_leg(gen, request_id, prompt, worker)
         except BaseException as e:
             telemetry.end(span, e)
             raise
         telemetry.end(span, None if params else "failed: tried elsewhere",
                       pdserve__kv__blocks=len((params or {}).get("remote_block_ids") or ()))
-        return params, leg
+        return params, token, leg
 
     async def _prefill_leg(self, gen: Generation, request_id: str, prompt: list[int],
-                           worker: router_pb2.WorkerInfo) -> tuple[dict[str, Any] | None, dict]:
-        """The prefill leg; (None, {}) when it fails for any reason but bad input or
-        the request's own deadline (then it is aborted on the worker)."""
+                           worker: router_pb2.WorkerInfo
+                           ) -> tuple[dict[str, Any] | None, int | None, dict]:
+        """The prefill leg: the KV handover's params, the token the prefill sampled (None
+        if it sent none), and the leg's stats; (None, None, {}) when it fails for any
+        reason but bad input or the request's own deadline (then it is aborted on the
+        worker)."""
         stub = self._engine(worker.address)
         started = time.perf_counter()
         budget = gen.remaining()
+        token = None
         try:
             params = None
             call = stub.Generate(prefill_request(request_id, prompt, gen.sampling),
@@ -232,6 +243,8 @@ class Orchestrator:
                     break
                 if resp.HasField("complete") and resp.complete.HasField("kv_transfer_params_json"):
                     params = json.loads(resp.complete.kv_transfer_params_json)
+                    if len(resp.complete.output_ids) == 1:
+                        token = resp.complete.output_ids[0]
             if params is not None:
                 # The answer is in: the decode starts now. The call's status follows
                 # the worker's own bookkeeping after its last message; it is read in
@@ -251,11 +264,11 @@ class Orchestrator:
             gen.remaining()                 # the request's own budget ran out: 504
             log.warning("prefill of %s on %s failed (%s: %s)", request_id, worker.worker_id,
                         e.code().name, e.details())
-            return None, {}
+            return None, None, {}
         except ValueError as e:
             log.warning("prefill of %s on %s failed (%s)", request_id, worker.worker_id, e)
-            return None, {}
-        return params, {"prefill_worker": worker.worker_id,
+            return None, None, {}
+        return params, token, {"prefill_worker": worker.worker_id,
                         "prefill_ms": (time.perf_counter() - started) * 1000}
 
     def _abort_prefill(self, worker: router_pb2.WorkerInfo, request_id: str, why: str) -> None:

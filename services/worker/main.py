@@ -19,6 +19,7 @@ from pdserve.config import WorkerConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
+from transfer.connector import continues_prefill
 from transfer.service import SERVICE_NAME as LEASE_SERVICE
 from transfer.service import KVTransferService
 from transfer.service import add_to_server as add_lease_service
@@ -75,7 +76,8 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host)
     address = f"{cfg.advertise_host or cfg.host}:{server.port}"
     info = router_pb2.WorkerInfo(worker_id=worker_id, role=_ROLES[cfg.role], address=address,
-                                 model=cfg.engine.name, serving=True)
+                                 model=cfg.engine.name, serving=True,
+                                 continues_prefill=continues_prefill(cfg.role, cfg.kv))
     freeze_startup_heap()
     registration = RouterRegistration(cfg.router, info, cfg.heartbeat_seconds)
     registration.start()

@@ -150,3 +150,79 @@ async def test_concurrent_streams_each_equal_the_single_engine(stack, reference)
         results = await asyncio.gather(*(stream(session, c) for c in cases))
     assert [path for path, _ in results] == ["disaggregated"] * len(cases)
     assert [text for _, text in results] == [reference[c.name]["text"] for c in cases]
+
+
+def _decode_counts(stack) -> tuple[float, float, float]:
+    """The decode engine's requests, prompt tokens and generated tokens so far."""
+    return tuple(metric_sum(stack.decode_metrics, f"vllm:{name}_total")
+                 for name in ("request_success", "prompt_tokens", "generation_tokens"))
+
+
+def _settled_decode_counts(stack, requests: float) -> tuple[float, float, float]:
+    """The decode engine's counts once it has reported `requests` finished (engines
+    publish their stats at their next step)."""
+    import time
+    deadline = time.monotonic() + 15
+    while (counts := _decode_counts(stack))[0] < requests and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return counts
+
+
+@pytest.mark.parametrize("sampling, continues", [
+    ({"temperature": 0}, True),
+    ({"temperature": 0.8}, True),
+    # A seed would start the decode engine's generator one draw late; presence and
+    # frequency penalties count output tokens only: the prefill's token stays out.
+    ({"temperature": 0.8, "seed": 7}, False),
+    ({"temperature": 0.8, "presence_penalty": 0.5}, False),
+], ids=["greedy", "sampled", "seeded", "presence-penalty"])
+def test_the_prefills_token_goes_out_first_and_the_decode_goes_on_after_it(
+        stack, sampling, continues):
+    import secrets
+    case = CASES[0]
+    body = case.body(stack.model, True) | sampling | {
+        "prompt": f"{secrets.token_hex(6)} {case.payload['prompt']}",
+        "stream_options": {"include_usage": True}}
+    before = _decode_counts(stack)
+    req = urllib.request.Request(f"{stack.url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["x-pdserve-path"] == "disaggregated"
+        events = parse_sse(r.read().decode())
+    usage = next(json.loads(e)["usage"] for _, e in reversed(events[:-1])
+                 if json.loads(e).get("usage"))
+    assert usage["completion_tokens"] == MAX_TOKENS
+    after = _settled_decode_counts(stack, before[0] + 1)
+    requests, prompt, generated = (a - b for a, b in zip(after, before))
+    assert requests == 1
+    if continues:
+        assert (prompt, generated) == (usage["prompt_tokens"] + 1, MAX_TOKENS - 1)
+    else:
+        assert (prompt, generated) == (usage["prompt_tokens"], MAX_TOKENS)
+
+
+def test_one_token_asked_for_is_the_prefills_alone(stack):
+    """max_tokens 1: the prefill's token is the whole answer; no decode runs, and the
+    lease on the prefill's blocks ends at once (aborted, not left to expire)."""
+    import secrets
+    import time
+    case = CASES[0]
+    body = case.body(stack.model, False) | {
+        "prompt": f"{secrets.token_hex(6)} {case.payload['prompt']}", "max_tokens": 1}
+    before = _decode_counts(stack)
+    aborted = metric_sum(stack.prefill_metrics, "pdserve:kv_leases_total",
+                         'outcome="aborted"')
+    req = urllib.request.Request(f"{stack.url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["x-pdserve-path"] == "disaggregated"
+        out = json.loads(r.read())
+    assert out["usage"]["completion_tokens"] == 1
+    assert out["choices"][0]["finish_reason"] == "length"
+    deadline = time.monotonic() + 10      # the prefill worker counts its leases each second
+    while (metric_sum(stack.prefill_metrics, "pdserve:kv_leases_total", 'outcome="aborted"')
+           == aborted and time.monotonic() < deadline):
+        time.sleep(0.2)
+    assert metric_sum(stack.prefill_metrics, "pdserve:kv_leases_total",
+                      'outcome="aborted"') == aborted + 1
+    assert _decode_counts(stack) == before

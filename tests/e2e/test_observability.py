@@ -107,8 +107,9 @@ def test_one_request_is_one_trace_across_edge_router_prefill_transfer_and_decode
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     assert a["gen_ai.response.id"] == headers["x-request-id"]
     assert a["pdserve.path"] == "disaggregated"
-    assert decode.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
-    assert decode.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    # The first token was the prefill's: the decode engine went on after it.
+    assert decode.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS - 1
+    assert decode.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] + 1
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(stack):
@@ -213,9 +214,12 @@ def test_every_service_metrics_move_by_what_one_request_did(stack):
     assert m.moved("prefill", "vllm:generation_tokens_total") == 1
     assert m.moved("prefill", "pdserve:kv_leases_total", outcome="released") == 1
     assert _sum(m.after["prefill"], "pdserve:kv_leases_open") == 0
-    # The decode worker: the request, and its KV pulled over NIXL.
+    # The decode worker: the request, and its KV pulled over NIXL. The first token was
+    # the prefill's (the client had it before the handover): the decode engine was
+    # asked for the rest, after the prompt and that token.
     assert m.moved("decode", "vllm:request_success_total") == 1
-    assert m.moved("decode", "vllm:generation_tokens_total") == completion
+    assert m.moved("decode", "vllm:prompt_tokens_total") == prompt + 1
+    assert m.moved("decode", "vllm:generation_tokens_total") == completion - 1
     assert m.moved("decode", "pdserve:kv_transfer_seconds_count") == 1
     transfers = m.moved("decode", "vllm:nixl_xfer_time_seconds_count")
     moved_bytes = m.moved("decode", "vllm:nixl_bytes_transferred_sum")
