@@ -1,0 +1,110 @@
+"""A leg whose prefill sampled the first token sends it before its decode call
+starts, then asks the decode engine for what follows it (the prompt plus that
+token, the rest of max_tokens). A fake engine stub behind the decode leg; the
+real path, on vLLM engines and NIXL: tests/e2e/test_disaggregated_path.py."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from smg_grpc_proto import vllm_engine_pb2 as pb
+
+from pdserve.v1 import common_pb2
+from services.edge.detokenizer import StopRule, TextStream
+from services.edge.generation import DecodeLeg, Generation, GenerationStream
+
+EOS = 3
+PROMPT = [100, 200, 300, 400, 500]
+
+
+class _Call:
+    """A streaming Generate call answering `tokens` one chunk each, then complete."""
+
+    def __init__(self, tokens: list[int], cached: int):
+        self.responses = [pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
+            token_ids=[t], cached_tokens=cached)) for t in tokens]
+        self.responses.append(pb.GenerateResponse(complete=pb.GenerateComplete(
+            finish_reason="length")))
+
+    def cancel(self) -> bool:
+        return False
+
+    async def __aiter__(self):
+        for resp in self.responses:
+            await asyncio.sleep(0)
+            yield resp
+
+
+class _Engine:
+    """The decode worker's stub: records each Generate request; Abort is a no-op."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+        self.requests: list[pb.GenerateRequest] = []
+
+    def Generate(self, req, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.requests.append(req)
+        return _Call(self.tokens, cached=len(req.tokenized.input_ids) - 1)
+
+    async def Abort(self, req, timeout=None):  # noqa: N802
+        return pb.AbortResponse()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _stream(tokenizer, engine: _Engine, first_token: int | None, max_tokens: int,
+            stop_ids=frozenset({EOS})) -> GenerationStream:
+    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens)
+    gen = Generation("r1", "m", list(PROMPT), sampling, deadline=10**12)
+    params = {"remote_block_ids": [[1]], "remote_num_tokens": len(PROMPT)}
+    leg = DecodeLeg("r1", "decode-0", engine, params, first_token=first_token)
+    return GenerationStream(gen=gen, path="disaggregated", leg=leg, place=None,
+                            text=TextStream(tokenizer, list(PROMPT), StopRule(
+                                stop_token_ids=frozenset(stop_ids))))
+
+
+async def _chunks(stream: GenerationStream, engine: _Engine) -> list[tuple]:
+    """(token ids, finish reason, decode calls made when the chunk arrived) per chunk."""
+    return [(c.token_ids, c.finish_reason, len(engine.requests))
+            async for c in stream.chunks()]
+
+
+async def test_the_prefills_token_goes_out_before_the_decode_call(tokenizer):
+    engine = _Engine([11, 12, 13])
+    stream = _stream(tokenizer, engine, first_token=10, max_tokens=4)
+    got = await _chunks(stream, engine)
+    assert got[0] == ([10], None, 0)                 # before any decode call
+    assert [ids for ids, _, _ in got if ids] == [[10], [11], [12], [13]]
+    assert got[-1][1] == "length"
+    [req] = engine.requests
+    assert list(req.tokenized.input_ids) == PROMPT + [10]   # it goes on after the token
+    assert req.sampling_params.max_tokens == 3
+    assert stream.output_ids == [10, 11, 12, 13]
+    assert stream.path == "disaggregated" and stream.leg.pulled
+
+
+async def test_without_the_token_the_decode_engine_sends_the_first(tokenizer):
+    engine = _Engine([10, 11, 12, 13])
+    stream = _stream(tokenizer, engine, first_token=None, max_tokens=4)
+    got = await _chunks(stream, engine)
+    assert got[0] == ([10], None, 1)
+    [req] = engine.requests
+    assert list(req.tokenized.input_ids) == PROMPT and req.sampling_params.max_tokens == 4
+
+
+@pytest.mark.parametrize("first, max_tokens, reason", [
+    (10, 1, "length"),          # all that was asked for
+    (EOS, 8, "stop"),           # the engine would stop on it
+])
+async def test_a_token_that_ends_the_generation_needs_no_decode(tokenizer, first, max_tokens,
+                                                                reason):
+    engine = _Engine([11, 12])
+    stream = _stream(tokenizer, engine, first_token=first, max_tokens=max_tokens)
+    got = await _chunks(stream, engine)
+    assert [(ids, why) for ids, why, _ in got] == [([first], None), ([], reason)]
+    assert engine.requests == [] and stream.output_ids == [first]
+    assert stream.finish_reason == reason
