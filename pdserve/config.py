@@ -185,10 +185,16 @@ class EdgeConfig:
     # offers pdserve.v1.BatchedGenerate (batched; a stock worker gets per-request calls),
     # or one vLLM `Generate` call each (per-request).
     decode_calls: str = "batched"
+    # Whose token a disaggregated request's client gets first: the prefill's, as soon as
+    # the prefill answers (the decode worker then goes on after it; where it can, see
+    # README), or the decode engine's, after the KV handover (a steadier first gap).
+    first_token: str = "prefill"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a path or a model name")
+        if self.first_token not in ("prefill", "decode"):
+            raise ValueError(f"first_token must be prefill or decode, got {self.first_token!r}")
         if self.stream_store != "memory" and not self.stream_store.startswith("redis://"):
             raise ValueError(f"stream_store must be memory or redis://HOST:PORT, "
                              f"got {self.stream_store!r}")

@@ -45,6 +45,12 @@ def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
     }
 
 
+# The gRPC health name under which such a decode worker answers SERVING, for routers
+# that probe workers (`pdserve router --decode-worker`) instead of taking their
+# registration (`WorkerInfo.continues_prefill`).
+CONTINUES_PREFILL = "pdserve.v1.ContinuesPrefill"
+
+
 def continues_prefill(role: str, cfg: KVTransferConfig) -> bool:
     """Whether a worker of `role` with this config takes a decode request whose prompt
     goes on past the prefill's KV (the prefill's sampled token appended) and computes

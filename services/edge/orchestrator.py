@@ -54,7 +54,8 @@ class Orchestrator:
 
     def __init__(self, router_address: str, request_timeout: float, tokenizer,
                  resilience: Resilience = Resilience(), batched: bool = False,
-                 batch_from: int = BATCH_FROM, router=None):
+                 batch_from: int = BATCH_FROM, router=None,
+                 first_token_from_prefill: bool = True):
         # `router`: the same calls answered in this process (services/router/local.py).
         self.router_channel = None if router else channel(router_address)
         self.router = router or router_pb2_grpc.RouterStub(self.router_channel)
@@ -68,6 +69,8 @@ class Orchestrator:
         self._stubs: dict[tuple[type, str], Any] = {}
         # --decode-calls batched: one shared call per decode worker that offers it.
         self.batched, self.batch_from = batched, batch_from
+        # --first-token prefill: the client gets the prefill's token when it answers.
+        self.first_token_from_prefill = first_token_from_prefill
         self._batched: dict[str, BatchedCalls | None] = {}
         self._probes: dict[str, asyncio.Future] = {}
         self.prefill_fallbacks = 0          # requests prefilled locally after prefill failed
@@ -161,8 +164,8 @@ class Orchestrator:
                 prefilled_at = time.monotonic()
                 # The prefill's token goes to the client now when the decode worker can
                 # go on after it (engine_requests.continues_from_prefill_token).
-                if not (decision.decode.continues_prefill and
-                        continues_from_prefill_token(gen.sampling, params)):
+                if not (self.first_token_from_prefill and decision.decode.continues_prefill
+                        and continues_from_prefill_token(gen.sampling, params)):
                     token = None
                 return DecodeLeg(request_id, decision.decode.worker_id,
                                  self._engine(decision.decode.address), params, address,

@@ -32,11 +32,13 @@ import asyncio
 import logging
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2
+from transfer.connector import CONTINUES_PREFILL
 
 from .prefix_index import PrefixIndex
 from .registry import ROLE_NAMES, WorkerEntry, WorkerRegistry
@@ -57,6 +59,7 @@ class EngineProbes:
         self.index = index if index is not None else PrefixIndex()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._models: dict[str, str] = {}
+        self._continues: dict[str, bool] = {}     # address -> WorkerInfo.continues_prefill
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._feeds: dict[str, asyncio.Task] = {}          # worker id -> its event stream
@@ -166,18 +169,31 @@ class EngineProbes:
             health = await stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=2.0)
             if address not in self._models:
                 info = await stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=2.0)
+                self._continues[address] = role == "decode" and await self._continues_prefill(
+                    address)
                 self._models[address] = info.served_model_name or info.model_path
         except grpc.aio.AioRpcError as e:
             log.debug("probe of %s worker %s failed: %s", role, address, e.code().name)
             return False
         worker = router_pb2.WorkerInfo(worker_id=f"{role}@{address}", role=ROLES[role],
                                        address=address, model=self._models[address],
-                                       serving=health.healthy)
+                                       serving=health.healthy,
+                                       continues_prefill=self._continues[address])
         if self.registry.register(worker) and health.healthy:
             log.info("worker up: %s %s (static) model=%s", role, address, worker.model)
         elif not health.healthy:
             log.warning("%s worker %s reports unhealthy: %s", role, address, health.message)
         return health.healthy
+
+    async def _continues_prefill(self, address: str) -> bool:
+        """Whether the decode worker says, by gRPC health, that its engine goes on past a
+        prefill's KV (pdserve's workers do; a stock engine has no such name)."""
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channels[address]).Check(
+                health_pb2.HealthCheckRequest(service=CONTINUES_PREFILL), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False                    # NOT_FOUND, or no health service at all
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     async def read_load(self, entry: WorkerEntry) -> None:
         """Requests running + waiting on the worker's engine (unchanged when unreadable)."""

@@ -19,7 +19,7 @@ from pdserve.config import WorkerConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
-from transfer.connector import continues_prefill
+from transfer.connector import CONTINUES_PREFILL, continues_prefill
 from transfer.service import SERVICE_NAME as LEASE_SERVICE
 from transfer.service import KVTransferService
 from transfer.service import add_to_server as add_lease_service
@@ -59,7 +59,10 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         reflection.enable_server_reflection(
             [*services, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
 
-    server = Server(cfg.host, cfg.port, add_servicers, services)
+    # Health also answers for what the worker can do that is no service of its own.
+    continues = continues_prefill(cfg.role, cfg.kv)
+    server = Server(cfg.host, cfg.port, add_servicers,
+                    services + ([CONTINUES_PREFILL] if continues else []))
     # Default id from the bound port, so that port 0 still gives a stable, unique name.
     worker_id = servicer.worker_id = (
         cfg.worker_id or f"{cfg.role}-{socket.gethostname()}-{server.port}")
@@ -77,7 +80,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     address = f"{cfg.advertise_host or cfg.host}:{server.port}"
     info = router_pb2.WorkerInfo(worker_id=worker_id, role=_ROLES[cfg.role], address=address,
                                  model=cfg.engine.name, serving=True,
-                                 continues_prefill=continues_prefill(cfg.role, cfg.kv))
+                                 continues_prefill=continues)
     freeze_startup_heap()
     registration = RouterRegistration(cfg.router, info, cfg.heartbeat_seconds)
     registration.start()

@@ -25,6 +25,7 @@ from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterCon
     (lambda: RouterConfig(local_prefill_below_tokens=-1), "local_prefill_below_tokens"),
     (lambda: EdgeConfig(model="m", port=-1), "port"),
     (lambda: EdgeConfig(model="m", min_decode_workers=0), "min_decode_workers"),
+    (lambda: EdgeConfig(model="m", first_token="router"), "first_token"),
 ])
 def test_invalid_config_names_the_field(make, field):
     with pytest.raises(ValueError, match=field):
@@ -62,6 +63,26 @@ def test_the_transfer_mode_picks_vllms_connector_by_name_from_pdserves_module():
         assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (name,
                                                                           "transfer.vllm_nixl")
     assert _config(_parser().parse_args(["prefill"])).kv.mode == "pull"
+
+
+def test_only_a_pull_decode_worker_goes_on_after_the_prefills_token():
+    """What a worker announces (registration and gRPC health): the pull connector's
+    decode side caps its load at what the prefill computed; the push connector writes
+    into blocks sized for the prompt alone, and a prefill worker decodes nothing."""
+    from pdserve.cli import _config, _parser
+    from transfer.connector import continues_prefill
+    got = {(role, mode): continues_prefill(role, _config(_parser().parse_args(
+        [role, "--kv-transfer-mode", mode])).kv)
+        for role in ("prefill", "decode") for mode in ("pull", "push")}
+    assert got == {("prefill", "pull"): False, ("prefill", "push"): False,
+                   ("decode", "pull"): True, ("decode", "push"): False}
+
+
+def test_the_edge_sends_the_prefills_token_first_unless_told_not_to():
+    from pdserve.cli import _config, _parser
+    assert _config(_parser().parse_args(["edge"])).first_token == "prefill"
+    assert _config(_parser().parse_args(["edge", "--first-token", "decode"])).first_token == \
+        "decode"
 
 
 @pytest.mark.parametrize("device,tp,given,expected", [

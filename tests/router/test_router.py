@@ -175,6 +175,30 @@ async def test_static_workers_are_probed_into_the_registry_and_age_out():
         await server.stop(0)
 
 
+async def test_a_static_decode_worker_says_by_health_whether_it_goes_on_after_a_prefill():
+    """pdserve's pull decode workers answer SERVING for CONTINUES_PREFILL; a stock
+    engine knows no such name: only the first is offered the prefill's token."""
+    from transfer.connector import CONTINUES_PREFILL
+    servers = [Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.
+                      add_VllmEngineServicer_to_server(FakeEngine(), s),
+                      ["vllm.grpc.engine.VllmEngine", *names])
+               for names in ([CONTINUES_PREFILL], [])]
+    for server in servers:
+        await server.start()
+    registry = WorkerRegistry(timeout=6.0)
+    addresses = [f"127.0.0.1:{server.port}" for server in servers]
+    static = EngineProbes(registry, [("decode", a) for a in addresses], interval=600.0)
+    try:
+        for address in addresses:
+            assert await static.probe("decode", address)
+        got = {e.info.address: e.info.continues_prefill for e in registry.serving(DECODE, "m")}
+        assert got == {addresses[0]: True, addresses[1]: False}
+    finally:
+        await static.stop()
+        for server in servers:
+            await server.stop(0)
+
+
 def test_static_worker_addresses_are_checked():
     with pytest.raises(ValueError, match="HOST:PORT"):
         RouterConfig(static_workers=(("decode", "no-port"),))
