@@ -154,6 +154,8 @@ def _gateways(argv: list[str]) -> int:
     p.add_argument("--router-in-edge", action="store_true",
                    help="a third gateway over the same workers: a pdserve edge running its "
                         "router in-process (`edge --router embedded`)")
+    p.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
+                   help="the pdserve edges' --first-token (whose token the client gets first)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.requests < 1 or a.reps < 1 or a.rate <= 0:
@@ -163,7 +165,8 @@ def _gateways(argv: list[str]) -> int:
     hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
     with contextlib.redirect_stdout(sys.stderr):
         result = compare_gateways(model, a.requests, a.rate, a.reps, a.seed, hw,
-                                  router_in_edge=a.router_in_edge)
+                                  router_in_edge=a.router_in_edge,
+                                  first_token=a.first_token)
     if a.json:
         print(json.dumps(result))
         return 0

@@ -305,7 +305,7 @@ class EmbeddedEdge:
     the two ways of running pdserve's gateway are measured over the same workers."""
 
     def __init__(self, label: str, model: str, prefill: list[str], decode: list[str],
-                 max_model_len: int):
+                 max_model_len: int, edge_flags: tuple[str, ...] = ()):
         self.label = label
         self.children = _Children(label)
         self.args = [f"--prefill-worker={a}" for a in prefill] + [
@@ -313,7 +313,8 @@ class EmbeddedEdge:
             "--model", model, "--max-model-len", str(max_model_len),
             # Every prompt prefilled remotely, as the stack's router is told for comparisons.
             "--local-prefill-below", "0", "--prefill-saturated", "0",
-            "--min-prefill-workers", str(len(prefill)), "--min-decode-workers", str(len(decode))]
+            "--min-prefill-workers", str(len(prefill)), "--min-decode-workers", str(len(decode)),
+            *edge_flags]
 
     def start(self) -> list[str]:
         port = free_port()

@@ -79,13 +79,16 @@ def _targets(a: dict, b: dict) -> dict:
 
 
 def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
-                     hw: Hardware, router_in_edge: bool = False) -> dict:
+                     hw: Hardware, router_in_edge: bool = False,
+                     first_token: str = "prefill") -> dict:
     """Start the stack and SMG, measure both, stop both; the result object.
     `router_in_edge`: a third gateway, `pdserve_router_in_edge`, a pdserve edge running
-    its router in-process in front of the same workers."""
+    its router in-process in front of the same workers. `first_token`: the pdserve
+    edges' `--first-token`."""
     # Every prompt prefilled remotely, as SMG does: the same path through both.
+    edge_flags = ("--first-token", first_token)
     stack = PdserveStack("gateways", model, local_prefill_below=0, hw=hw,
-                         placement=("--prefill-saturated", "0"))
+                         placement=("--prefill-saturated", "0", *edge_flags))
     others: list = []
     try:
         progress("starting pdserve up")
@@ -94,12 +97,15 @@ def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
         gateways = {"pdserve": (edge, stack.gateway_pids())}
         if router_in_edge:
             progress("starting a pdserve edge with its router inside")
-            others.append(EmbeddedEdge("router-in-edge", model, *workers, hw.max_model_len))
+            others.append(EmbeddedEdge("router-in-edge", model, *workers, hw.max_model_len,
+                                       edge_flags))
             gateways["pdserve_router_in_edge"] = (others[-1].start(), others[-1].pids())
         progress("starting smg")
         others.append(SmgGateway("smg", model, *workers))
         gateways["smg"] = (others[-1].start(), others[-1].pids())
-        return measure(gateways, model, n, rate, reps, seed)
+        result = measure(gateways, model, n, rate, reps, seed)
+        result["first_token"] = first_token
+        return result
     finally:
         for gateway in others:
             gateway.stop()

@@ -252,22 +252,20 @@ class GenerationStream:
             raise _Preempted()
         first_leg = not sent
         token, leg.first_token = leg.first_token, None
-        if token is not None:
-            # The prefill's token, out before the decode's handover: the decode leg is
-            # then asked for what follows it, like a moved leg.
-            chunk = self._tokens([token])
-            if chunk.finish_reason is None:
+        early = None if token is None else self._tokens([token])
+        if early is not None:
+            # The prefill's token, out before the decode's handover; the decode leg is
+            # asked for what follows it, like a moved leg.
+            if early.finish_reason is None:
                 if self.text.stops_at(token):
                     self.finish_reason = "stop"
                 elif len(self.output_ids) >= self.gen.sampling.max_tokens:
                     self.finish_reason = "length"
-            yield chunk
-            if self.finish_reason is not None:
-                if chunk.finish_reason is None:
+            if self.finish_reason is not None:      # it ended the generation: no decode
+                yield early
+                if early.finish_reason is None:
                     yield self._end_chunk()
                 return
-            if self._preempted:                 # preempted while the token went out
-                raise _Preempted()
             sent = len(self.output_ids)
         sampling = self.gen.sampling
         if sent:                                # a moved leg owes only the rest
@@ -295,6 +293,11 @@ class GenerationStream:
         if self.running is not None:
             self.running()                      # it may be preempted from now on
         try:
+            if early is not None:
+                # NOTE: after the call starts, so that the decode request leaves first
+                # (its handover is what the next token waits for); a preemption meanwhile
+                # cancels the call, and reading it below raises.
+                yield early
             async for resp in call:
                 self._last_output = self.heard.at[leg.worker_id] = loop.time()
                 if not resp.HasField("chunk"):

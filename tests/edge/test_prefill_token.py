@@ -1,6 +1,7 @@
-"""A leg whose prefill sampled the first token sends it before its decode call
-starts, then asks the decode engine for what follows it (the prompt plus that
-token, the rest of max_tokens). A fake engine stub behind the decode leg; the
+"""A leg whose prefill sampled the first token sends it before the decode engine
+answers (its call started just before, so that the handover begins at once), and
+asks the decode engine for what follows it (the prompt plus that token, the rest
+of max_tokens). A fake engine stub behind the decode leg; the
 real path, on vLLM engines and NIXL: tests/e2e/test_disaggregated_path.py."""
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ PROMPT = [100, 200, 300, 400, 500]
 class _Call:
     """A streaming Generate call answering `tokens` one chunk each, then complete."""
 
-    def __init__(self, tokens: list[int], cached: int):
+    def __init__(self, engine: "_Engine", tokens: list[int], cached: int):
+        self.engine = engine
         self.responses = [pb.GenerateResponse(chunk=pb.GenerateStreamChunk(
             token_ids=[t], cached_tokens=cached)) for t in tokens]
         self.responses.append(pb.GenerateResponse(complete=pb.GenerateComplete(
@@ -32,6 +34,7 @@ class _Call:
     async def __aiter__(self):
         for resp in self.responses:
             await asyncio.sleep(0)
+            self.engine.read += 1
             yield resp
 
 
@@ -41,10 +44,11 @@ class _Engine:
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
         self.requests: list[pb.GenerateRequest] = []
+        self.read = 0                       # responses the edge has read
 
     def Generate(self, req, timeout=None, metadata=None):  # noqa: N802 - the stub's name
         self.requests.append(req)
-        return _Call(self.tokens, cached=len(req.tokenized.input_ids) - 1)
+        return _Call(self, self.tokens, cached=len(req.tokenized.input_ids) - 1)
 
     async def Abort(self, req, timeout=None):  # noqa: N802
         return pb.AbortResponse()
@@ -68,17 +72,18 @@ def _stream(tokenizer, engine: _Engine, first_token: int | None, max_tokens: int
 
 
 async def _chunks(stream: GenerationStream, engine: _Engine) -> list[tuple]:
-    """(token ids, finish reason, decode calls made when the chunk arrived) per chunk."""
-    return [(c.token_ids, c.finish_reason, len(engine.requests))
+    """(token ids, finish reason, decode calls started, decode responses read when the
+    chunk arrived) per chunk."""
+    return [(c.token_ids, c.finish_reason, len(engine.requests), engine.read)
             async for c in stream.chunks()]
 
 
-async def test_the_prefills_token_goes_out_before_the_decode_call(tokenizer):
+async def test_the_prefills_token_goes_out_before_the_decode_answers(tokenizer):
     engine = _Engine([11, 12, 13])
     stream = _stream(tokenizer, engine, first_token=10, max_tokens=4)
     got = await _chunks(stream, engine)
-    assert got[0] == ([10], None, 0)                 # before any decode call
-    assert [ids for ids, _, _ in got if ids] == [[10], [11], [12], [13]]
+    assert got[0] == ([10], None, 1, 0)         # the call started, nothing read from it
+    assert [c[0] for c in got if c[0]] == [[10], [11], [12], [13]]
     assert got[-1][1] == "length"
     [req] = engine.requests
     assert list(req.tokenized.input_ids) == PROMPT + [10]   # it goes on after the token
@@ -91,7 +96,7 @@ async def test_without_the_token_the_decode_engine_sends_the_first(tokenizer):
     engine = _Engine([10, 11, 12, 13])
     stream = _stream(tokenizer, engine, first_token=None, max_tokens=4)
     got = await _chunks(stream, engine)
-    assert got[0] == ([10], None, 1)
+    assert got[0] == ([10], None, 1, 1)
     [req] = engine.requests
     assert list(req.tokenized.input_ids) == PROMPT and req.sampling_params.max_tokens == 4
 
@@ -105,6 +110,6 @@ async def test_a_token_that_ends_the_generation_needs_no_decode(tokenizer, first
     engine = _Engine([11, 12])
     stream = _stream(tokenizer, engine, first_token=first, max_tokens=max_tokens)
     got = await _chunks(stream, engine)
-    assert [(ids, why) for ids, why, _ in got] == [([first], None), ([], reason)]
+    assert [c[:2] for c in got] == [([first], None), ([], reason)]
     assert engine.requests == [] and stream.output_ids == [first]
     assert stream.finish_reason == reason
