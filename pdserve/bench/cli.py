@@ -171,7 +171,7 @@ def _gateways(argv: list[str]) -> int:
         print(json.dumps(result))
         return 0
     keys = ["ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
-            "gateway_cpu_ms_per_request", "completed", "failed"]
+            "e2el_p50_ms", "gateway_cpu_ms_per_request", "completed", "failed"]
     print(result["workload"])
     print(f"{'gateway':<24}" + "".join(f"{k:>28}" for k in keys))
     for name, r in result["gateways"].items():
