@@ -309,7 +309,7 @@ class GenerationStream:
                 if not leg.started:
                     leg.started = True
                     self._watch(call)           # from now on the shorter stall deadline
-                    # A pull leaves all but the last prompt token cached.
+                    # A pull leaves all but the last token of the leg's prompt cached.
                     leg.pulled = (leg.prefill_params is not None and
                                   c.cached_tokens >= len(req.tokenized.input_ids) - 1)
                     if first_leg:
