@@ -252,6 +252,8 @@ def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
     stream.close()                  # a lease the decode never pulled ends now
     if stream.stats.get("pull_refused"):
         metrics.prefill_fallbacks.labels(cfg.name).inc()
+    if stream.stats.get("prefill_first_token"):
+        metrics.prefill_first_tokens.labels(cfg.name).inc()
     for ms in stream.migrations:
         metrics.migrations.labels(cfg.name).inc()
         metrics.migration_seconds.labels(cfg.name).observe(ms / 1000)

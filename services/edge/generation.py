@@ -254,6 +254,8 @@ class GenerationStream:
         token, leg.first_token = leg.first_token, None
         early = None if token is None else self._tokens([token])
         if early is not None:
+            if first_leg:                       # pdserve:prefill_first_tokens
+                self.stats["prefill_first_token"] = True
             # The prefill's token, out before the decode's handover; the decode leg is
             # asked for what follows it, like a moved leg.
             if early.finish_reason is None:

@@ -48,6 +48,10 @@ class EdgeMetrics:
         self.prefill_fallbacks = Counter(
             "pdserve:prefill_fallbacks", "Requests prefilled locally because remote prefill "
             "failed", ["model_name"], registry=r)
+        self.prefill_first_tokens = Counter(
+            "pdserve:prefill_first_tokens", "Generations whose first token was the prefill "
+            "worker's, sent before the KV handover (--first-token prefill)", ["model_name"],
+            registry=r)
         self.prefill_failovers = Counter(
             "pdserve:prefill_failovers", "Prefill legs retried on another prefill worker",
             ["model_name"], registry=r)

@@ -205,6 +205,7 @@ def test_every_service_metrics_move_by_what_one_request_did(stack):
     assert m.moved("edge", "pdserve:prompt_tokens_total") == prompt
     assert m.moved("edge", "pdserve:generation_tokens_total") == completion
     assert m.moved("edge", "pdserve:placements_total", reason="remote") == 1
+    assert m.moved("edge", "pdserve:prefill_first_tokens_total") == 1
     assert m.moved("edge", "pdserve:request_queue_time_seconds_count") == 1
     assert m.moved("edge", "pdserve:streams_ended_total", outcome="finished") == 1
     assert _sum(m.after["edge"], "pdserve:num_requests_running") == 0

@@ -90,6 +90,7 @@ async def test_the_prefills_token_goes_out_before_the_decode_answers(tokenizer):
     assert req.sampling_params.max_tokens == 3
     assert stream.output_ids == [10, 11, 12, 13]
     assert stream.path == "disaggregated" and stream.leg.pulled
+    assert stream.stats["prefill_first_token"]          # pdserve:prefill_first_tokens_total
 
 
 async def test_without_the_token_the_decode_engine_sends_the_first(tokenizer):
@@ -99,6 +100,7 @@ async def test_without_the_token_the_decode_engine_sends_the_first(tokenizer):
     assert got[0] == ([10], None, 1, 1)
     [req] = engine.requests
     assert list(req.tokenized.input_ids) == PROMPT and req.sampling_params.max_tokens == 4
+    assert "prefill_first_token" not in stream.stats
 
 
 @pytest.mark.parametrize("first, max_tokens, reason", [
