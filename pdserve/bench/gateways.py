@@ -45,7 +45,7 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
     for name, g in got.items():
         m = metrics(RunResult(g["requests"], g["outputs"], g["duration"]), tokenizer)
         # The whole request's latency too: TTFT and TPOT trade the KV handover between them
-        # (the edge's --first-token), the end-to-end time does not.
+        # (the edge's --first-token); the end-to-end time says what the whole answer took.
         e2el = dict(m.percentiles_e2el_ms)
         out[name] = {"completed": m.completed, "failed": m.failed, **latency_figures(m),
                      "e2el_p50_ms": round(float(e2el[50]), 2),
