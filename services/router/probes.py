@@ -174,6 +174,9 @@ class EngineProbes:
                 self._models[address] = info.served_model_name or info.model_path
         except grpc.aio.AioRpcError as e:
             log.debug("probe of %s worker %s failed: %s", role, address, e.code().name)
+            # What it serves and can do is asked again once it answers: a worker restarted
+            # at this address may serve another model or move KV another way.
+            self._models.pop(address, None)
             return False
         worker = router_pb2.WorkerInfo(worker_id=f"{role}@{address}", role=ROLES[role],
                                        address=address, model=self._models[address],

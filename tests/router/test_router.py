@@ -193,6 +193,21 @@ async def test_a_static_decode_worker_says_by_health_whether_it_goes_on_after_a_
             assert await static.probe("decode", address)
         got = {e.info.address: e.info.continues_prefill for e in registry.serving(DECODE, "m")}
         assert got == {addresses[0]: True, addresses[1]: False}
+        # The first restarts at its address without the capability (push mode, say):
+        # once it answers again, it is asked again.
+        port = servers[0].port
+        await servers[0].stop(0)
+        assert not await static.probe("decode", addresses[0])
+        servers[0] = Server("127.0.0.1", port, lambda s: vllm_engine_pb2_grpc.
+                            add_VllmEngineServicer_to_server(FakeEngine(), s),
+                            ["vllm.grpc.engine.VllmEngine"])
+        await servers[0].start()
+        for _ in range(50):                 # the channel reconnects after its backoff
+            if await static.probe("decode", addresses[0]):
+                break
+            await asyncio.sleep(0.2)
+        [entry] = [e for e in registry.serving(DECODE, "m") if e.info.address == addresses[0]]
+        assert not entry.info.continues_prefill
     finally:
         await static.stop()
         for server in servers:
