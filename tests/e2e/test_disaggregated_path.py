@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import secrets
+import time
 import urllib.request
 
 import grpc
@@ -161,7 +163,6 @@ def _decode_counts(stack) -> tuple[float, float, float]:
 def _settled_decode_counts(stack, requests: float) -> tuple[float, float, float]:
     """The decode engine's counts once it has reported `requests` finished (engines
     publish their stats at their next step)."""
-    import time
     deadline = time.monotonic() + 15
     while (counts := _decode_counts(stack))[0] < requests and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -178,7 +179,6 @@ def _settled_decode_counts(stack, requests: float) -> tuple[float, float, float]
 ], ids=["greedy", "sampled", "seeded", "presence-penalty"])
 def test_the_prefills_token_goes_out_first_and_the_decode_goes_on_after_it(
         stack, sampling, continues):
-    import secrets
     case = CASES[0]
     body = case.body(stack.model, True) | sampling | {
         "prompt": f"{secrets.token_hex(6)} {case.payload['prompt']}",
@@ -204,8 +204,6 @@ def test_the_prefills_token_goes_out_first_and_the_decode_goes_on_after_it(
 def test_one_token_asked_for_is_the_prefills_alone(stack):
     """max_tokens 1: the prefill's token is the whole answer; no decode runs, and the
     lease on the prefill's blocks ends at once (aborted, not left to expire)."""
-    import secrets
-    import time
     case = CASES[0]
     body = case.body(stack.model, False) | {
         "prompt": f"{secrets.token_hex(6)} {case.payload['prompt']}", "max_tokens": 1}
