@@ -34,7 +34,7 @@ And the pull connector's decode side loads no more of a prompt than the
 prefill computed (`remote_num_tokens` in its params): a decode request may
 then carry the prompt plus the token the prefill sampled, and its engine
 computes that token's KV itself where vLLM's would read the prefill's
-unwritten slot for it (or fail on a block the prefill never had). That is
+unwritten slot for it (or meet a block the prefill never had). That is
 what lets the edge stream the prefill's token at once (`continues_prefill`
 in the worker's registration).
 """

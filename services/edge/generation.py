@@ -16,9 +16,10 @@ presence/frequency penalties forget the tokens generated before the move
 (they count output tokens, which the new leg sees as prompt).
 
 A leg whose prefill sampled its first token, on a decode worker that goes on
-after such a token (`DecodeLeg.first_token`), sends that token to the client
-before the decode call even starts: the client's first token does not wait for
-the KV handover, and the decode leg is asked for the rest, as a moved leg is.
+after such a token (`DecodeLeg.first_token`), sends that token to the client as
+soon as its decode call has started, before the decode engine answers: the
+client's first token does not wait for the KV handover, and the decode leg is
+asked for the rest, as a moved leg is.
 
 A generation may also be preempted (admission.py takes its slot back for a
 tenant owed it): its leg is aborted, it waits to be admitted again
@@ -123,7 +124,7 @@ class DecodeLeg:
     prefill_channel: Any = None                 # this edge's channel to the prefill worker
     calls: Any = None                           # BatchedCalls (batched.py), else stub's Generate
     # The token the prefill sampled, when the decode engine goes on after it: sent to
-    # the client before the decode call starts (taken once; None otherwise).
+    # the client once the decode call starts, before its answer (taken once; else None).
     first_token: int | None = None
     started: bool = False                       # its first output came
     pulled: bool = False                        # ...and it had pulled the prefill's blocks
