@@ -77,13 +77,16 @@ class Proc:
         for line in self.popen.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, text: str, timeout: float, since: int = 0) -> None:
+    def wait_for(self, text: str, timeout: float, since: int = 0,
+                 fatal: str | None = None) -> None:
         """Block until a line (from line `since` on) contains `text`; fail with the log
-        tail otherwise."""
+        tail otherwise, at once when a line contains `fatal`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if any(text in line for line in self.lines[since:]):
                 return
+            if fatal and any(fatal in line for line in self.lines[since:]):
+                break
             if self.popen.poll() is not None:
                 break
             time.sleep(0.2)

@@ -9,6 +9,8 @@ pushes (the prefill engine WRITEs); `KVTransferConfig.mode` picks one. pdserve's
 """
 from __future__ import annotations
 
+import errno
+import socket
 from typing import Any
 
 from pdserve.config import KVTransferConfig
@@ -67,6 +69,25 @@ def engine_kv_env(cfg: KVTransferConfig) -> dict[str, str]:
         # Keep UCX on loopback on a dev box; GPU deployments override.
         "UCX_NET_DEVICES": "lo" if cfg.buffer_device == "cpu" else "all",
     }
+
+
+def check_side_channel(cfg: KVTransferConfig) -> None:
+    """Raise if another process listens on the NIXL side-channel port already.
+
+    vLLM's handshake listener binds that port in a thread the engine then waits on:
+    when the bind fails the thread dies and the engine's start hangs for good, with
+    the error only in the engine's log. A worker checks first and exits naming the
+    port (the bind is done the way ZMQ binds, `SO_REUSEADDR` set)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.side_channel_host, cfg.side_channel_port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return      # not ours to judge (an advertised, non-local host): vLLM will
+            raise RuntimeError(
+                f"KV side-channel port {cfg.side_channel_host}:{cfg.side_channel_port} is "
+                "in use by another process; give this worker another --kv-port") from e
 
 
 def request_params_for_prefill() -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pdserve.config import WorkerConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
-from transfer.connector import CONTINUES_PREFILL, continues_prefill
+from transfer.connector import CONTINUES_PREFILL, check_side_channel, continues_prefill
 from transfer.service import SERVICE_NAME as LEASE_SERVICE
 from transfer.service import KVTransferService
 from transfer.service import add_to_server as add_lease_service
@@ -40,6 +40,8 @@ _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER
 async def serve_worker(cfg: WorkerConfig) -> None:
     """Build the engine; serve vLLM's `VllmEngine` (and gRPC health, reflection) on
     one port; stay registered with the router until signalled."""
+    if cfg.kv:
+        check_side_channel(cfg.kv)    # a taken port would hang the engine's start
     engine = VllmEngine(cfg.engine, cfg.role, cfg.kv)
     servicer = WorkerEngineServicer(engine, cfg.worker_id)
 

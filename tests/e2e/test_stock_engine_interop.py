@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -23,8 +25,19 @@ from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd, sto
 from transfer.connector import engine_kv_config
 
 
+# vLLM's handshake listener thread dies on a taken side-channel port and the engine
+# then waits for it for good: seen once in CI, the port taken between our check and
+# the engine's bind. Such a start fails at once and is tried again on new ports.
+PORT_TAKEN = "Address already in use"
+
+
 def _stock_engine(model_dir, role: str, core: int, side_channel: int) -> tuple[Proc, str]:
     port = free_port()
+    # The servicer would draw its KV-event publisher a random port of its own (it can
+    # be the other engine's side channel, whose bind comes later): a socket file, as
+    # pdserve's workers use (services/worker/engine.py).
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"ipc://{_events_path(port)}"}
     # vLLM's NixlConnector through pdserve's connector module (as the issue's SMG runs
     # did): stock NIXL's progress thread busy-polls a core per engine, and two of them
     # held both cores of the CI box at 100 % system time (the edge could not start).
@@ -33,7 +46,8 @@ def _stock_engine(model_dir, role: str, core: int, side_channel: int) -> tuple[P
     proc = Proc([sys.executable, "-m", "vllm.entrypoints.grpc_server", "--model", str(model_dir),
                  "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
                  "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching",
-                 "--kv-transfer-config", json.dumps(kv)],
+                 "--kv-transfer-config", json.dumps(kv),
+                 "--kv-events-config", json.dumps(events)],
                 # The servicer's planned warm-up (51 prefills up to 2,047 tokens) goes on
                 # after "gRPC server started", beside the test's requests: on two cores
                 # shared with the suite's stack one step took 135 s and a request 300 s.
@@ -45,17 +59,36 @@ def _stock_engine(model_dir, role: str, core: int, side_channel: int) -> tuple[P
     return proc, f"127.0.0.1:{port}"
 
 
+def _events_path(port: int) -> str:
+    return f"{tempfile.gettempdir()}/pdserve-test-kv-events-{port}"
+
+
+def _stop(procs: list[Proc], addrs: list[str]) -> None:
+    stop_all(procs, timeout=60)
+    for addr in addrs:     # ZMQ leaves an ipc socket file behind
+        Path(_events_path(int(addr.rsplit(":", 1)[1]))).unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def stock_cluster(model_dir, reference):
     """Stock prefill + decode engines, pdserve's router (static workers) and edge.
     (After `reference`: three engines starting at once on two cores starve each other.)"""
-    side = free_port_run(2)
-    prefill, p_addr = _stock_engine(model_dir, "kv_producer", 0, side)
-    decode, d_addr = _stock_engine(model_dir, "kv_consumer", 1, side + 1)
-    procs = [prefill, decode]
+    procs: list[Proc] = []
+    addrs: list[str] = []
     try:
-        for proc in procs:
-            proc.wait_for("gRPC server started", timeout=400)
+        for attempt in (1, 2):
+            side = free_port_run(2)
+            prefill, p_addr = _stock_engine(model_dir, "kv_producer", 0, side)
+            decode, d_addr = _stock_engine(model_dir, "kv_consumer", 1, side + 1)
+            procs, addrs = [prefill, decode], [p_addr, d_addr]
+            try:
+                for proc in procs:
+                    proc.wait_for("gRPC server started", timeout=400, fatal=PORT_TAKEN)
+                break
+            except AssertionError as e:
+                _stop(procs, addrs)
+                if attempt == 2 or PORT_TAKEN not in str(e):
+                    raise
         router_port, edge_port = free_port(), free_port()
         procs.append(Proc(pdserve_cmd("router", "--port", str(router_port),
                                       "--prefill-worker", p_addr, "--decode-worker", d_addr),
@@ -69,7 +102,7 @@ def stock_cluster(model_dir, reference):
         _wait_http(f"{url}/health", procs[-1], 300)     # a slow box imports slowly
         yield url, procs
     finally:
-        stop_all(procs, timeout=60)
+        _stop(procs, addrs)
 
 
 def test_router_lists_the_stock_engines_it_probed(stock_cluster):

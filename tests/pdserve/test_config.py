@@ -130,3 +130,18 @@ def test_grpc_is_not_imported_before_a_gateway_sets_its_experiments(argv):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_worker_refuses_a_side_channel_port_another_process_listens_on():
+    """vLLM's handshake listener dies on a taken port and the engine's start then
+    hangs; the worker checks first and names the port."""
+    import socket
+    from support import free_port
+    from transfer.connector import check_side_channel
+    port = free_port()
+    check_side_channel(KVTransferConfig(side_channel_port=port))      # free: no error
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port} is in use"):
+            check_side_channel(KVTransferConfig(side_channel_port=port))
