@@ -10,10 +10,11 @@ EXTRAS ?= cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
+NATIVE := $(VENV)/.native
 
 .PHONY: run test proto check-proto system-deps clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS),dev]'
@@ -23,10 +24,16 @@ ifeq ($(EXTRAS),cpu)
 endif
 	touch $(STAMP)
 
-run: $(STAMP)
+# The router's C prefix index (setup.py), rebuilt in place when its source changes;
+# without a compiler the router runs the Python one.
+$(NATIVE): $(STAMP) services/router/_keystore.c
+	$(PY) setup.py -q build_ext --inplace
+	touch $(NATIVE)
+
+run: $(STAMP) $(NATIVE)
 	$(VENV)/bin/pdserve up $(ARGS)
 
-test: $(STAMP) check-proto system-deps
+test: $(STAMP) $(NATIVE) check-proto system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # nginx, redis-server, chromium: installed when root, else named (scripts/system_deps.sh).

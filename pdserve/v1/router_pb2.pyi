@@ -54,20 +54,22 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "model", "prompt_tokens", "exclude_workers", "prompt_token_ids")
+    __slots__ = ("request_id", "session_id", "model", "prompt_tokens", "exclude_workers", "prompt_token_ids", "prompt_token_ids_packed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     model: str
     prompt_tokens: int
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_token_ids_packed: bytes
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids_packed: _Optional[bytes] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("decode", "prefill", "local_prefill", "reason", "cached_tokens")

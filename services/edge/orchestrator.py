@@ -30,6 +30,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from pdserve import telemetry
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, router_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from services.router.keystore import packed
 
 from .batched import BATCH_FROM, BatchedCalls
 from .batched import SERVICE_NAME as BATCHED_SERVICE
@@ -195,7 +196,7 @@ class Orchestrator:
             with telemetry.current(span):
                 decision = await self.router.Route(router_pb2.RouteRequest(
                     request_id=request_id, session_id=gen.session_id, model=gen.model,
-                    prompt_tokens=len(prompt), prompt_token_ids=prompt,
+                    prompt_tokens=len(prompt), prompt_token_ids_packed=packed(prompt),
                     exclude_workers=sorted(exclude)), timeout=min(5.0, gen.remaining()))
         except BaseException as e:
             telemetry.end(span, e)

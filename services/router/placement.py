@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pdserve.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
 
-from .prefix_index import PrefixIndex, block_keys
+from .keystore import block_keys, unpacked
+from .prefix_index import PrefixIndex
 from .registry import WorkerEntry, WorkerRegistry
 
 
@@ -97,33 +98,34 @@ def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy
     decoders = registry.serving(common_pb2.WORKER_ROLE_DECODE, req.model, exclude)
     if not decoders:
         raise NoWorkerError(f"no decode worker serves model {req.model!r}")
-    ids = req.prompt_token_ids
+    packed = req.prompt_token_ids_packed
+    ids = unpacked(packed) if packed else req.prompt_token_ids
     prompt = len(ids) or req.prompt_tokens
     block = index.block_size if index else 0
     keys = block_keys(ids, block) if block and ids else []
 
     def matched(entries: list[WorkerEntry]) -> dict[str, int]:
         if not keys:
-            return {e.info.worker_id: 0 for e in entries}
-        return index.matched_blocks(keys, [e.info.worker_id for e in entries])
+            return {e.worker_id: 0 for e in entries}
+        return index.matched_blocks(keys, [e.worker_id for e in entries])
 
     under = bounded(decoders, policy.balance, policy.balance_slack)
     held = matched(under)
     if req.session_id:
-        decode = max(under, key=lambda e: (held[e.info.worker_id],
-                                           _score(req.session_id, e.info.worker_id)))
+        session = req.session_id
+        decode = max(under, key=lambda e: (held[e.worker_id], _score(session, e.worker_id)))
     else:
-        decode = min(under, key=lambda e: ((len(keys) - held[e.info.worker_id]) * block
+        decode = min(under, key=lambda e: ((len(keys) - held[e.worker_id]) * block
                                            + policy.load_tokens * load(e), e.routed,
-                                           e.info.worker_id))
+                                           e.worker_id))
     # vLLM always computes the last prompt token itself, so at most prompt - 1 is cached.
-    cached = min(prompt - 1, held[decode.info.worker_id] * block)
+    cached = min(prompt - 1, held[decode.worker_id] * block)
     prefill, reason = _prefill(registry, req, policy, prompt, cached, exclude, matched, block,
                                len(keys))
     if keys:
-        index.placed(decode.info.worker_id, keys, held[decode.info.worker_id])
+        index.placed(decode.worker_id, keys, held[decode.worker_id])
         if prefill is not None:
-            index.placed(prefill.info.worker_id, keys)
+            index.placed(prefill.worker_id, keys)
     decision = router_pb2.RouteDecision(decode=decode.info, local_prefill=prefill is None,
                                         reason=reason, cached_tokens=cached)
     if prefill is not None:
@@ -150,6 +152,6 @@ def _prefill(registry, req, policy: Policy, prompt: int, cached: int, exclude, m
         return None, (f"prefill-saturated: every prefill worker has >= "
                       f"{policy.prefill_saturated} requests")
     held = matched(free)
-    best = min(free, key=lambda e: ((n_keys - held[e.info.worker_id]) * block
-                                    + policy.load_tokens * load(e), e.routed, e.info.worker_id))
+    best = min(free, key=lambda e: ((n_keys - held[e.worker_id]) * block
+                                    + policy.load_tokens * load(e), e.routed, e.worker_id))
     return best, f"remote: {uncached} uncached tokens"

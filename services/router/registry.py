@@ -28,6 +28,20 @@ class WorkerEntry:
     placed_at: deque = field(default_factory=deque)    # when each pending one was placed
     capacity: int = 0                # requests its engine runs at once; 0 unknown
     kv_usage: float = 0.0            # fraction of its KV cache in use
+    # What placement reads of `info`, per worker and request, copied out of it: a
+    # protobuf field costs several attribute reads, more so with cold caches.
+    worker_id: str = field(init=False)
+    role: int = field(init=False)
+    model: str = field(init=False)
+    serving: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.set_info(self.info)
+
+    def set_info(self, info: router_pb2.WorkerInfo) -> None:
+        self.info = info
+        self.worker_id, self.role, self.model, self.serving = (
+            info.worker_id, info.role, info.model, info.serving)
 
     def reported(self, load: int, capacity: int | None = None,
                  kv_usage: float | None = None) -> None:
@@ -57,7 +71,7 @@ class WorkerRegistry:
         if entry is None or entry.info.address != info.address:
             self.workers[info.worker_id] = WorkerEntry(info=info, last_seen=now)
         else:
-            entry.info = info
+            entry.set_info(info)
             entry.last_seen = now
         return fresh
 
@@ -85,9 +99,9 @@ class WorkerRegistry:
                 e.placed_at.popleft()
                 e.pending = len(e.placed_at)
         return [e for e in self.workers.values()
-                if e.info.role == role and self._alive(e, now)
-                and e.info.worker_id not in exclude
-                and (not model or e.info.model == model)]
+                if e.role == role and self._alive(e, now)
+                and e.worker_id not in exclude
+                and (not model or e.model == model)]
 
     def snapshot(self) -> list[router_pb2.WorkerInfo]:
         """Every worker with `serving` set from its heartbeat.
@@ -108,7 +122,7 @@ class WorkerRegistry:
         return sorted(out, key=lambda w: (w.role, w.worker_id))
 
     def _alive(self, entry: WorkerEntry, now: float) -> bool:
-        return entry.info.serving and now - entry.last_seen <= self.timeout
+        return entry.serving and now - entry.last_seen <= self.timeout
 
 
 ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECODE: "decode"}

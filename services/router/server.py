@@ -66,6 +66,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except NoWorkerError as e:
             self.metrics.unplaced.inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ValueError as e:                 # packed token ids of a broken length
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.metrics.routed(decision.reason, started)
         for entry in (decode, prefill):
             if entry is not None:
@@ -73,7 +75,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         log.info("route %s: decode=%s prefill=%s (%s; %d of %d prompt tokens held; "
                  "decode loads %s)", request.request_id, decision.decode.worker_id,
                  decision.prefill.worker_id or "-", decision.reason, decision.cached_tokens,
-                 len(request.prompt_token_ids) or request.prompt_tokens,
+                 request.prompt_tokens or len(request.prompt_token_ids),
                  " ".join(f"{e.info.worker_id}={e.load}+{e.pending}"
                           for e in self.registry.workers.values()
                           if e.info.role == decode.info.role))

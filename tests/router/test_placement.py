@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 from pdserve.v1 import common_pb2, router_pb2
+from services.router.keystore import packed, unpacked
 from services.router.placement import Policy, load, place
 from services.router.prefix_index import ROOT, PrefixIndex, block_keys, chain, content_hash
 from services.router.registry import WorkerRegistry
@@ -44,7 +45,21 @@ def test_vectorized_keys_equal_the_chain_kv_events_are_keyed_with():
     for i in range(300):
         parent = chain(parent, content_hash(ids[i * 16:(i + 1) * 16]))
         keys.append(parent)
-    assert block_keys(ids, 16) == keys and len(set(keys)) == 300
+    assert block_keys(ids, 16).tolist() == keys and len(set(keys)) == 300
+
+
+def test_packed_and_repeated_token_ids_place_alike():
+    """The edge sends the prompt packed (`prompt_token_ids_packed`); other callers may
+    send the repeated field: the same prefix, the same worker and cached count."""
+    ids = list(range(100, 140))
+    got = []
+    for req in (_req(ids), router_pb2.RouteRequest(model="m", prompt_token_ids_packed=packed(ids))):
+        index = PrefixIndex(BLOCK)
+        _store(index, "d2", ids[:24])
+        decision, _, _ = place(_registry(3), req, Policy(), index)
+        got.append((decision.decode.worker_id, decision.cached_tokens))
+    assert got == [("d2", 24), ("d2", 24)]
+    assert list(unpacked(packed([0, 1, 70000, (1 << 32) - 1]))) == [0, 1, 70000, (1 << 32) - 1]
 
 
 def test_index_follows_stored_and_removed_events():

@@ -65,6 +65,15 @@ async def test_no_decode_worker_is_unavailable(router):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_packed_token_ids_of_a_broken_length_are_invalid(router):
+    stub, _ = router
+    await stub.Register(router_pb2.RegisterRequest(worker=_worker("d0", DECODE)))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Route(router_pb2.RouteRequest(request_id="r", model="m",
+                                                 prompt_token_ids_packed=b"\x01\x00\x00"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "4 bytes" in e.value.details()
+
+
 async def test_register_rejects_incomplete_worker(router):
     stub, _ = router
     with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -1,0 +1,107 @@
+"""The prefix index's two implementations (C `_keystore`, Python reference) agree."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from pdserve.v1 import router_pb2
+from services.router import keystore
+from services.router.keystore import PyKeyStore, py_block_keys
+
+native = pytest.importorskip("services.router._keystore",
+                             reason="the C module was not built (no compiler)")
+
+
+def test_the_router_runs_the_c_index_where_it_was_built():
+    assert keystore.NATIVE and keystore.KeyStore is native.KeyStore
+
+
+@pytest.mark.parametrize("block", [1, 4, 16, 64])
+def test_c_block_keys_equal_the_reference_for_every_kind_of_token_list(block):
+    rng = random.Random(block)
+    for n in (0, block - 1, block, 5 * block + 3, 1500):
+        ids = [rng.randrange(0, 1 << 32) for _ in range(n)]
+        want = py_block_keys(ids, block).tolist()
+        assert len(want) == n // block
+        as_proto = router_pb2.RouteRequest(prompt_token_ids=ids).prompt_token_ids
+        for given in (ids, tuple(ids), as_proto, np.array(ids, dtype=np.uint32),
+                      np.array(ids, dtype=np.int64)):
+            assert keystore.block_keys(given, block).tolist() == want
+
+
+def test_c_block_keys_refuse_what_is_not_token_ids():
+    with pytest.raises(ValueError):
+        keystore.block_keys([1, 2, 3], 0)
+    with pytest.raises(TypeError):
+        keystore.block_keys(["a"] * 8, 4)
+    with pytest.raises(TypeError):
+        keystore.block_keys(42, 4)
+
+
+def test_c_and_python_keystores_agree_over_random_operations():
+    """The same random mix of places, reports, evictions, expiries and matches on both,
+    with keys that collide in the C table's slots (small key space, many deletions)."""
+    rng = random.Random(7)
+    stores = (native.KeyStore(), PyKeyStore())
+    universe = [rng.getrandbits(64) for _ in range(300)] + [0, 1, 2, (1 << 64) - 1]
+    now = 1.0
+    for step in range(20_000):
+        op = rng.random()
+        if op < 0.3:
+            keys = rng.sample(universe, rng.randrange(0, 20))
+            start, until = rng.randrange(0, 5), now + rng.uniform(0.5, 10)
+            for s in stores:
+                s.place(keys, start, until)
+        elif op < 0.5:
+            key = rng.choice(universe)
+            for s in stores:
+                s.confirm(key)
+        elif op < 0.65:
+            key = rng.choice(universe)
+            for s in stores:
+                s.drop(key)
+        elif op < 0.75:
+            now += rng.uniform(0, 2)
+            for s in stores:
+                s.expire(now)
+        else:
+            keys = np.array(rng.sample(universe, rng.randrange(0, 10)), dtype=np.uint64)
+            at = now + rng.uniform(-1, 5)
+            got = [s.match(memoryview(keys.tobytes()).cast("Q"), at) for s in stores]
+            assert got[0] == got[1], f"step {step}"
+        assert len(stores[0]) == len(stores[1]), f"step {step}"
+    assert len(stores[0]) > 0
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_a_keystore_holds_reported_keys_for_good_and_placed_ones_until_their_time(impl):
+    s = native.KeyStore() if impl == "c" else PyKeyStore()
+    s.place([1, 2, 3], 0, 10.0)
+    assert s.match([1, 2, 3, 4], 5.0) == 3 and s.match([1, 2, 3], 10.0) == 0
+    s.confirm(1)
+    s.place([1, 2], 1, 20.0)                 # 2 placed again: its later time counts
+    s.expire(15.0)                           # 3's time is up; 1 is reported; 2 runs to 20
+    assert len(s) == 2 and s.match([1, 2, 3], 15.0) == 2 and s.match([1, 2], 25.0) == 1
+    s.drop(1)
+    assert s.match([1, 2], 15.0) == 0
+    with pytest.raises(ValueError):
+        s.place([5], 0, math.inf)
+
+
+def test_without_the_c_module_the_router_runs_the_python_index():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['services.router._keystore'] = None\n"
+            "from services.router import keystore\n"
+            "from services.router.prefix_index import PrefixIndex\n"
+            "assert not keystore.NATIVE and keystore.KeyStore is keystore.PyKeyStore\n"
+            "index = PrefixIndex(4)\n"
+            "index.stored('w', None, [(1, [1, 2, 3, 4]), (2, [5, 6, 7, 8])])\n"
+            "keys = keystore.block_keys(list(range(1, 11)), 4)\n"
+            "print(index.matched_blocks(keys, ['w', 'v']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "{'w': 2, 'v': 0}"
