@@ -58,6 +58,21 @@ def gateway_pids(up_pid: int) -> list[int]:
             if {"edge", "router"} & set(c.cmdline())]
 
 
+def worker_pids(up_pid: int) -> dict[str, list[int]]:
+    """The worker processes of a `pdserve up`, by part: `prefill_worker` and
+    `decode_worker` (the servicer's process) and `prefill_engine` and `decode_engine`
+    (their engine's processes)."""
+    import psutil
+    out: dict[str, list[int]] = {f"{role}_{part}": [] for role in ("prefill", "decode")
+                                 for part in ("worker", "engine")}
+    for c in psutil.Process(up_pid).children():
+        role = next((r for r in ("prefill", "decode") if r in c.cmdline()), None)
+        if role:
+            out[f"{role}_worker"].append(c.pid)
+            out[f"{role}_engine"] += [g.pid for g in c.children(recursive=True)]
+    return out
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now, below the ephemeral range, and not handed
     out before by this process."""
@@ -254,6 +269,9 @@ class PdserveStack:
 
     def gateway_pids(self) -> list[int]:
         return gateway_pids(self.up_pid)
+
+    def worker_pids(self) -> dict[str, list[int]]:
+        return worker_pids(self.up_pid)
 
     def stop(self) -> None:
         self.children.stop()

@@ -19,8 +19,9 @@ from .workloads import random_1024
 
 
 async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps: int,
-                seed: int) -> dict:
-    got = {name: {"requests": [], "outputs": [], "duration": 0.0, "cpu": 0.0}
+                seed: int, workers: dict[str, list[int]]) -> dict:
+    got = {name: {"requests": [], "outputs": [], "duration": 0.0, "cpu": 0.0,
+                  "workers": dict.fromkeys(workers, 0.0)}
            for name in gateways}
     for name, (urls, _) in gateways.items():
         await warm_up(urls, model, chat=True)
@@ -35,9 +36,12 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
             urls, pids = gateways[name]
             progress(f"{name}: rep {rep + 1}/{reps}, {n} requests at {rate}/s")
             cpu = cpu_seconds(pids)
+            behind = {part: cpu_seconds(p) for part, p in workers.items()}
             result = await run(workload, urls, model, rate, seed, chat=True)
             g = got[name]
             g["cpu"] += cpu_seconds(pids) - cpu
+            for part, p in workers.items():
+                g["workers"][part] += cpu_seconds(p) - behind[part]
             g["requests"] += result.requests
             g["outputs"] += result.outputs
             g["duration"] += result.duration_s
@@ -50,18 +54,24 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
         out[name] = {"completed": m.completed, "failed": m.failed, **latency_figures(m),
                      "e2el_p50_ms": round(float(e2el[50]), 2),
                      "e2el_p99_ms": round(float(e2el[99]), 2),
-                     "gateway_cpu_ms_per_request": round(1000 * g["cpu"] / max(1, m.completed), 2)}
+                     "gateway_cpu_ms_per_request": round(1000 * g["cpu"] / max(1, m.completed), 2),
+                     # The same workers behind every gateway: what each gateway's requests
+                     # cost them (the worker's servicer process; its engine's processes).
+                     "worker_cpu_ms_per_request": {
+                         part: round(1000 * cpu / max(1, m.completed), 2)
+                         for part, cpu in g["workers"].items()}}
     return out
 
 
 def measure(gateways: dict[str, tuple[list[str], list[int]]], model: str, n: int,
-            rate: float, reps: int, seed: int) -> dict:
+            rate: float, reps: int, seed: int, workers: dict[str, list[int]] | None = None
+            ) -> dict:
     """The workload through each running gateway (name -> (urls, the PIDs of its
     processes)), `reps` times in alternating order, prompts of its own each time; the
-    result object."""
+    result object. `workers`: the PIDs of the workers behind them, by part."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
-    res = asyncio.run(_runs(gateways, model, tokenizer, n, rate, reps, seed))
+    res = asyncio.run(_runs(gateways, model, tokenizer, n, rate, reps, seed, workers or {}))
     b = res["smg"]
     ratios = {f"{k}_{name}_over_smg": round(res[name][k] / b[k], 3) if b[k] else None
               for name in res if name != "smg"
@@ -108,7 +118,7 @@ def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
         progress("starting smg")
         others.append(SmgGateway("smg", model, *workers))
         gateways["smg"] = (others[-1].start(), others[-1].pids())
-        result = measure(gateways, model, n, rate, reps, seed)
+        result = measure(gateways, model, n, rate, reps, seed, stack.worker_pids())
         result["first_token"] = first_token
         return result
     finally:

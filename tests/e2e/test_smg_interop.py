@@ -15,7 +15,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from cases import CASES
 from pdserve.bench import gateways
-from pdserve.bench.deployments import SmgGateway, gateway_pids
+from pdserve.bench.deployments import SmgGateway, gateway_pids, worker_pids
 from engine_client import external_kv_tokens, flush_prefix_cache
 
 
@@ -70,11 +70,16 @@ def test_bench_gateways_measures_the_edge_and_smg_over_the_same_workers(smg, sta
     # `pdserve bench gateways` starts a stack and SMG of its own, then measures this way.
     result = gateways.measure({"pdserve": ([stack.url], gateway_pids(stack.proc.popen.pid)),
                                "smg": (smg.urls, smg.pids())},
-                              stack.model, n=2, rate=4, reps=1, seed=0)
+                              stack.model, n=2, rate=4, reps=1, seed=0,
+                              workers=worker_pids(stack.proc.popen.pid))
     assert set(result["gateways"]) == {"pdserve", "smg"}
     for name, g in result["gateways"].items():
         assert g["completed"] == 2 and g["failed"] == 0, (name, g)
         assert g["ttft_p50_ms"] > 0 and g["gateway_cpu_ms_per_request"] > 0, (name, g)
+        # Both gateways' requests ran on the same workers: each cost their engines CPU.
+        assert set(g["worker_cpu_ms_per_request"]) == {
+            "prefill_worker", "prefill_engine", "decode_worker", "decode_engine"}, (name, g)
+        assert g["worker_cpu_ms_per_request"]["decode_engine"] > 0, (name, g)
     assert result["ratios"]["ttft_p50_ms_pdserve_over_smg"] > 0
     assert set(result["targets"]) == {"ttft_p50_le_smg", "ttft_p99_le_smg",
                                       "tpot_le_1.05x_smg", "cpu_le_1.5x_smg"}
