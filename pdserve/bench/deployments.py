@@ -273,6 +273,13 @@ class PdserveStack:
     def worker_pids(self) -> dict[str, list[int]]:
         return worker_pids(self.up_pid)
 
+    def worker_metrics(self) -> dict[str, str]:
+        """The /metrics URL of the first prefill and the first decode worker (`up`
+        numbers the workers' metrics ports from the first, prefill workers first)."""
+        base = self.ports["metrics"]
+        return {"prefill": f"http://127.0.0.1:{base}/metrics",
+                "decode": f"http://127.0.0.1:{base + self.prefill_workers}/metrics"}
+
     def stop(self) -> None:
         self.children.stop()
 

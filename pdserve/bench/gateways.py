@@ -13,15 +13,30 @@ from __future__ import annotations
 import asyncio
 
 
-from .deployments import EmbeddedEdge, Hardware, PdserveStack, SmgGateway, cpu_seconds
+from .deployments import (EmbeddedEdge, Hardware, PdserveStack, SmgGateway, cpu_seconds,
+                          metric_sum)
 from .load import RunResult, latency_figures, metrics, progress, run, warm_up
 from .workloads import random_1024
 
 
+# vLLM's own histograms on the workers' /metrics (the engine's view of each request):
+# arrival to first token, time queued (the decode's wait for its KV included), and the
+# time per output token after the first.
+ENGINE_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds",
+                     "queue": "vllm:request_queue_time_seconds",
+                     "tpot": "vllm:request_time_per_output_token_seconds"}
+
+
+def _engine_sums(engines: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each ENGINE_HISTOGRAMS series, per engine role (its /metrics URL)."""
+    return {f"{role}_{key}": (metric_sum(url, f"{name}_sum"), metric_sum(url, f"{name}_count"))
+            for role, url in engines.items() for key, name in ENGINE_HISTOGRAMS.items()}
+
+
 async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps: int,
-                seed: int, workers: dict[str, list[int]]) -> dict:
+                seed: int, workers: dict[str, list[int]], engines: dict[str, str]) -> dict:
     got = {name: {"requests": [], "outputs": [], "duration": 0.0, "cpu": 0.0,
-                  "workers": dict.fromkeys(workers, 0.0)}
+                  "workers": dict.fromkeys(workers, 0.0), "engines": {}}
            for name in gateways}
     for name, (urls, _) in gateways.items():
         await warm_up(urls, model, chat=True)
@@ -37,11 +52,15 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
             progress(f"{name}: rep {rep + 1}/{reps}, {n} requests at {rate}/s")
             cpu = cpu_seconds(pids)
             behind = {part: cpu_seconds(p) for part, p in workers.items()}
+            sums = _engine_sums(engines)
             result = await run(workload, urls, model, rate, seed, chat=True)
             g = got[name]
             g["cpu"] += cpu_seconds(pids) - cpu
             for part, p in workers.items():
                 g["workers"][part] += cpu_seconds(p) - behind[part]
+            for key, (total, count) in _engine_sums(engines).items():
+                was = g["engines"].get(key, (0.0, 0.0))
+                g["engines"][key] = (was[0] + total - sums[key][0], was[1] + count - sums[key][1])
             g["requests"] += result.requests
             g["outputs"] += result.outputs
             g["duration"] += result.duration_s
@@ -59,19 +78,24 @@ async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps
                      # cost them (the worker's servicer process; its engine's processes).
                      "worker_cpu_ms_per_request": {
                          part: round(1000 * cpu / max(1, m.completed), 2)
-                         for part, cpu in g["workers"].items()}}
+                         for part, cpu in g["workers"].items()},
+                     # The engines' means over this gateway's requests (ms).
+                     "engine_mean_ms": {key: round(1000 * total / count, 2) if count else None
+                                        for key, (total, count) in g["engines"].items()}}
     return out
 
 
 def measure(gateways: dict[str, tuple[list[str], list[int]]], model: str, n: int,
-            rate: float, reps: int, seed: int, workers: dict[str, list[int]] | None = None
-            ) -> dict:
+            rate: float, reps: int, seed: int, workers: dict[str, list[int]] | None = None,
+            engines: dict[str, str] | None = None) -> dict:
     """The workload through each running gateway (name -> (urls, the PIDs of its
     processes)), `reps` times in alternating order, prompts of its own each time; the
-    result object. `workers`: the PIDs of the workers behind them, by part."""
+    result object. `workers`: the PIDs of the workers behind them, by part; `engines`:
+    their /metrics URLs by role."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
-    res = asyncio.run(_runs(gateways, model, tokenizer, n, rate, reps, seed, workers or {}))
+    res = asyncio.run(_runs(gateways, model, tokenizer, n, rate, reps, seed, workers or {},
+                            engines or {}))
     b = res["smg"]
     ratios = {f"{k}_{name}_over_smg": round(res[name][k] / b[k], 3) if b[k] else None
               for name in res if name != "smg"
@@ -118,7 +142,8 @@ def compare_gateways(model: str, n: int, rate: float, reps: int, seed: int,
         progress("starting smg")
         others.append(SmgGateway("smg", model, *workers))
         gateways["smg"] = (others[-1].start(), others[-1].pids())
-        result = measure(gateways, model, n, rate, reps, seed, stack.worker_pids())
+        result = measure(gateways, model, n, rate, reps, seed, stack.worker_pids(),
+                         stack.worker_metrics())
         result["first_token"] = first_token
         return result
     finally:

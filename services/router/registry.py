@@ -88,20 +88,22 @@ class WorkerRegistry:
     def serving(self, role: int, model: str = "", exclude: set[str] | frozenset = frozenset()
                 ) -> list[WorkerEntry]:
         """Live workers of `role` for `model`, minus `exclude`."""
-        now = self.clock()
+        now, out = self.clock(), []
         for e in self.workers.values():
             # A placement counts until a report covers it, or for PENDING_SECONDS: an
             # engine reports within a tick when its load changes, so one older than that
             # has finished already (a request that starts and ends between two ticks
             # changes nothing) or its worker's reports stalled. Either way it must not
             # keep the worker out of placement.
-            while e.placed_at and now - e.placed_at[0] > PENDING_SECONDS:
-                e.placed_at.popleft()
-                e.pending = len(e.placed_at)
-        return [e for e in self.workers.values()
-                if e.role == role and self._alive(e, now)
-                and e.worker_id not in exclude
-                and (not model or e.model == model)]
+            placed = e.placed_at
+            while placed and now - placed[0] > PENDING_SECONDS:
+                placed.popleft()
+                e.pending = len(placed)
+            # (One pass, `_alive` inline: placement asks this twice per request.)
+            if (e.role == role and e.serving and now - e.last_seen <= self.timeout
+                    and e.worker_id not in exclude and (not model or e.model == model)):
+                out.append(e)
+        return out
 
     def snapshot(self) -> list[router_pb2.WorkerInfo]:
         """Every worker with `serving` set from its heartbeat.

@@ -71,7 +71,9 @@ def test_bench_gateways_measures_the_edge_and_smg_over_the_same_workers(smg, sta
     result = gateways.measure({"pdserve": ([stack.url], gateway_pids(stack.proc.popen.pid)),
                                "smg": (smg.urls, smg.pids())},
                               stack.model, n=2, rate=4, reps=1, seed=0,
-                              workers=worker_pids(stack.proc.popen.pid))
+                              workers=worker_pids(stack.proc.popen.pid),
+                              engines={"prefill": stack.prefill_metrics,
+                                       "decode": stack.decode_metrics})
     assert set(result["gateways"]) == {"pdserve", "smg"}
     for name, g in result["gateways"].items():
         assert g["completed"] == 2 and g["failed"] == 0, (name, g)
@@ -80,6 +82,9 @@ def test_bench_gateways_measures_the_edge_and_smg_over_the_same_workers(smg, sta
         assert set(g["worker_cpu_ms_per_request"]) == {
             "prefill_worker", "prefill_engine", "decode_worker", "decode_engine"}, (name, g)
         assert g["worker_cpu_ms_per_request"]["decode_engine"] > 0, (name, g)
+        # ... and the engines saw each request: a first token after arriving, per engine.
+        engine = g["engine_mean_ms"]
+        assert engine["prefill_ttft"] > 0 and engine["decode_ttft"] > 0, (name, g)
     assert result["ratios"]["ttft_p50_ms_pdserve_over_smg"] > 0
     assert set(result["targets"]) == {"ttft_p50_le_smg", "ttft_p99_le_smg",
                                       "tpot_le_1.05x_smg", "cpu_le_1.5x_smg"}
