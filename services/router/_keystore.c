@@ -51,6 +51,12 @@ token_ids(PyObject *obj, Py_ssize_t *count)
         const char *f = view.format ? view.format : "B";
         if (*f == '<' || *f == '=' || *f == '@')
             f++;
+        if (f[0] == '\0' || f[1] != '\0' || strchr("bBhHiIlLqQ", f[0]) == NULL) {
+            PyErr_Format(PyExc_TypeError, "token ids must be integers, not format '%s'",
+                         view.format ? view.format : "B");
+            PyBuffer_Release(&view);
+            goto done;
+        }
         int sign = (*f == 'b' || *f == 'h' || *f == 'i' || *f == 'l' || *f == 'q');
         Py_ssize_t n = view.itemsize ? view.len / view.itemsize : 0;
         out = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t));
@@ -274,16 +280,21 @@ keys_of(PyObject *obj, Keys *k)
     k->owned = NULL;
     k->view.obj = NULL;
     if (PyObject_CheckBuffer(obj)) {
-        if (PyObject_GetBuffer(obj, &k->view, PyBUF_C_CONTIGUOUS) < 0)
+        if (PyObject_GetBuffer(obj, &k->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
             return -1;
-        if (k->view.len % 8) {
-            PyBuffer_Release(&k->view);
-            PyErr_SetString(PyExc_ValueError, "keys must be a buffer of uint64s");
-            return -1;
+        const char *f = k->view.format ? k->view.format : "B";
+        if (*f == '<' || *f == '=' || *f == '@')
+            f++;
+        /* 64-bit ints as they are, or raw bytes (block_keys' own output)... */
+        int wide = k->view.itemsize == 8 && f[0] && !f[1] && strchr("qQlL", f[0]);
+        int raw = k->view.itemsize == 1 && f[0] == 'B' && !f[1] && k->view.len % 8 == 0;
+        if (wide || raw) {
+            k->p = k->view.buf;
+            k->n = k->view.len / 8;
+            return 0;
         }
-        k->p = k->view.buf;
-        k->n = k->view.len / 8;
-        return 0;
+        PyBuffer_Release(&k->view);       /* ...else read as ints of their own width */
+        k->view.obj = NULL;
     }
     k->owned = token_ids(obj, &k->n);
     k->p = k->owned;

@@ -39,6 +39,20 @@ def test_c_block_keys_refuse_what_is_not_token_ids():
         keystore.block_keys(["a"] * 8, 4)
     with pytest.raises(TypeError):
         keystore.block_keys(42, 4)
+    with pytest.raises(TypeError, match="integers"):
+        keystore.block_keys(np.ones(8, dtype=np.float64), 4)
+
+
+def test_a_c_keystore_reads_keys_of_any_integer_width_as_ints():
+    """Keys as block_keys gives them (uint64s, or its raw bytes), or any sequence of
+    ints: a buffer of narrower ints is read int by int, never reinterpreted."""
+    s = native.KeyStore()
+    s.place([1, 2, 3, 4], 0, 10.0)
+    wide = np.array([1, 2, 3, 4], dtype=np.uint64)
+    for keys in ([1, 2, 3, 4], (1, 2, 3, 4), wide, memoryview(wide.tobytes()).cast("Q"),
+                 wide.tobytes(), np.array([1, 2, 3, 4], dtype=np.uint32),
+                 memoryview(np.array([1, 2, 3, 4], dtype=np.uint32).tobytes()).cast("I")):
+        assert s.match(keys, 5.0) == 4, keys
 
 
 def test_c_and_python_keystores_agree_over_random_operations():
