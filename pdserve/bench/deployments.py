@@ -112,11 +112,20 @@ def free_port_run(n: int) -> int:
 
 def metric_sum(url: str, name: str, labels: str = "") -> float:
     """Sum of the Prometheus samples of `name` at `url` whose labels contain `labels`."""
-    import re
+    return samples_sum(metrics_page(url), name, labels)
+
+
+def metrics_page(url: str) -> str:
     import urllib.request
     with urllib.request.urlopen(url, timeout=10) as r:
-        body = r.read().decode()
-    values = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", body, re.M)
+        return r.read().decode()
+
+
+def samples_sum(page: str, name: str, labels: str = "") -> float:
+    """Sum of the samples of `name` in a Prometheus text `page` whose labels contain
+    `labels`."""
+    import re
+    values = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$", page, re.M)
     return sum(float(v) for found, v in values if labels in found)
 
 

@@ -14,7 +14,7 @@ import asyncio
 
 
 from .deployments import (EmbeddedEdge, Hardware, PdserveStack, SmgGateway, cpu_seconds,
-                          metric_sum)
+                          metrics_page, samples_sum)
 from .load import RunResult, latency_figures, metrics, progress, run, warm_up
 from .workloads import random_1024
 
@@ -29,8 +29,10 @@ ENGINE_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds",
 
 def _engine_sums(engines: dict[str, str]) -> dict[str, tuple[float, float]]:
     """(sum, count) of each ENGINE_HISTOGRAMS series, per engine role (its /metrics URL)."""
-    return {f"{role}_{key}": (metric_sum(url, f"{name}_sum"), metric_sum(url, f"{name}_count"))
-            for role, url in engines.items() for key, name in ENGINE_HISTOGRAMS.items()}
+    pages = {role: metrics_page(url) for role, url in engines.items()}
+    return {f"{role}_{key}": (samples_sum(page, f"{name}_sum"),
+                              samples_sum(page, f"{name}_count"))
+            for role, page in pages.items() for key, name in ENGINE_HISTOGRAMS.items()}
 
 
 async def _runs(gateways: dict, model: str, tokenizer, n: int, rate: float, reps: int,

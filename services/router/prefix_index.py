@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from .keystore import ROOT, KeyStore, block_keys, chain, content_hash  # noqa: F401 (block_keys: placement's)
+from .keystore import ROOT, KeyStore, chain, content_hash
 
 
 class PrefixIndex:

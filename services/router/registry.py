@@ -99,9 +99,8 @@ class WorkerRegistry:
             while placed and now - placed[0] > PENDING_SECONDS:
                 placed.popleft()
                 e.pending = len(placed)
-            # (One pass, `_alive` inline: placement asks this twice per request.)
-            if (e.role == role and e.serving and now - e.last_seen <= self.timeout
-                    and e.worker_id not in exclude and (not model or e.model == model)):
+            if (e.role == role and self._alive(e, now) and e.worker_id not in exclude
+                    and (not model or e.model == model)):
                 out.append(e)
         return out
 

@@ -15,7 +15,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.router.placement import Policy, place
 from services.router.registry import WorkerRegistry
 from services.router.server import RouterService
-from services.router.prefix_index import block_keys
+from services.router.keystore import block_keys
 from services.router.probes import EngineProbes
 
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
