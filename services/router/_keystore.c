@@ -6,9 +6,10 @@
  * dozen numpy calls and ~100 dict and set lookups, which a router idle between
  * requests pays with cold caches (bench/README.md, "The router's placement").
  *
- *   block_keys(token_ids, block_size) -> bytes
+ *   block_keys(token_ids, block_size, parent=0) -> bytes
  *       The keys of the full blocks, native-endian uint64s (at most 2**14 of them):
- *       key_i = key_{i-1} * M + sum_j t_{i*B+j} * M**(j+1)  (mod 2**64), key_-1 = 0.
+ *       key_i = key_{i-1} * M + sum_j t_{i*B+j} * M**(j+1)  (mod 2**64),
+ *       key_-1 = parent (0: the blocks start the prompt).
  *   KeyStore()
  *       One worker's keys, each with the time until which it counts (inf: reported
  *       by the engine; finite: placed there provisionally).
@@ -113,10 +114,16 @@ done:
 static PyObject *
 block_keys(PyObject *module, PyObject *args)
 {
-    PyObject *obj;
+    PyObject *obj, *parent_obj = NULL;
     Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "On:block_keys", &obj, &block))
+    if (!PyArg_ParseTuple(args, "On|O:block_keys", &obj, &block, &parent_obj))
         return NULL;
+    uint64_t parent = 0;
+    if (parent_obj != NULL) {
+        parent = PyLong_AsUnsignedLongLongMask(parent_obj);
+        if (parent == (uint64_t)-1 && PyErr_Occurred())
+            return NULL;
+    }
     if (block <= 0 || block > 4096) {
         PyErr_Format(PyExc_ValueError, "block_size must be 1..4096, got %zd", block);
         return NULL;
@@ -135,7 +142,7 @@ block_keys(PyObject *module, PyObject *args)
         for (Py_ssize_t j = 0; j < block; j++, p *= MULT)
             w[j] = p;
         uint64_t *keys = (uint64_t *)PyBytes_AS_STRING(out);
-        uint64_t key = 0;
+        uint64_t key = parent;
         for (Py_ssize_t i = 0; i < n; i++) {
             const uint64_t *t = ids + i * block;
             uint64_t content = 0;
@@ -458,7 +465,7 @@ static PyTypeObject KeyStoreType = {
 
 static PyMethodDef module_methods[] = {
     {"block_keys", block_keys, METH_VARARGS,
-     "block_keys(token_ids, block_size) -> bytes of the full blocks' uint64 keys"},
+     "block_keys(token_ids, block_size, parent=0) -> bytes of the full blocks' uint64 keys"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -59,20 +59,21 @@ def content_hash(tokens: Sequence[int]) -> int:
     return sum(t * w for t, w in zip(tokens, _weights(len(tokens)).tolist())) & _MASK
 
 
-def py_block_keys(token_ids, block_size: int) -> memoryview:
+def py_block_keys(token_ids, block_size: int, parent: int = ROOT) -> memoryview:
     """Keys of the full blocks of `token_ids` (a partial last block has none), as
-    uint64s: key_i = chain(key_{i-1}, content_hash(block_i)), key_-1 = ROOT.
+    uint64s: key_i = chain(key_{i-1}, content_hash(block_i)), key_-1 = `parent` (ROOT:
+    the blocks start a prompt; else the key of the block before them).
 
-    Computed for all blocks at once: key_i = sum_j c_j M^(i-j) = M^i * cumsum(c_j M^-j),
-    all mod 2^64.
+    Computed for all blocks at once: key_i = parent M^(i+1) + sum_j c_j M^(i-j)
+    = M^i * (parent M + cumsum(c_j M^-j)), all mod 2^64.
     """
     ids = np.array(token_ids, dtype=np.uint64)
     n = min(len(ids) // block_size, MAX_BLOCKS)
     # A matrix-vector product wraps mod 2^64 like the elementwise form, at half its cost.
     contents = ids[:n * block_size].reshape(n, block_size) @ _weights(block_size)
     up, down = _powers()
-    keys = np.cumsum(contents * down[:n], dtype=np.uint64) * up[:n]
-    return memoryview(keys.tobytes()).cast("Q")
+    sums = np.cumsum(contents * down[:n], dtype=np.uint64) + np.uint64(parent * _MULT & _MASK)
+    return memoryview((sums * up[:n]).tobytes()).cast("Q")
 
 
 def packed(token_ids: Sequence[int]) -> bytes:
@@ -145,9 +146,9 @@ try:
     from ._keystore import KeyStore
     from ._keystore import block_keys as _c_block_keys
 
-    def block_keys(token_ids, block_size: int) -> memoryview:
+    def block_keys(token_ids, block_size: int, parent: int = ROOT) -> memoryview:
         """Keys of the full blocks of `token_ids`, as uint64s (see py_block_keys)."""
-        return memoryview(_c_block_keys(token_ids, block_size)).cast("Q")
+        return memoryview(_c_block_keys(token_ids, block_size, parent)).cast("Q")
 
     NATIVE = True
 except ImportError:           # no compiler built the module: the reference runs

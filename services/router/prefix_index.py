@@ -8,11 +8,12 @@ engine hash to the router's key, so a removal finds its block.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from .keystore import ROOT, KeyStore, chain, content_hash
+from .keystore import ROOT, KeyStore, block_keys
 
 
 class PrefixIndex:
@@ -58,12 +59,11 @@ class PrefixIndex:
         parent = ROOT if parent_hash is None else keys.get(parent_hash)
         if parent is None:
             return                        # its parent was never seen: not a prefix we can key
-        for engine_hash, tokens in blocks:
-            if len(tokens) != self.block_size:
-                return
-            parent = chain(parent, content_hash(tokens))
-            keys[engine_hash] = parent
-            store.confirm(parent)
+        full = list(itertools.takewhile(lambda b: len(b[1]) == self.block_size, blocks))
+        tokens = [t for _, block in full for t in block]
+        for (engine_hash, _), key in zip(full, block_keys(tokens, self.block_size, parent)):
+            keys[engine_hash] = key
+            store.confirm(key)
 
     def removed(self, worker: str, engine_hashes: Iterable[int]) -> None:
         """Blocks the worker evicted."""

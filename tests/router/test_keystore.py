@@ -32,6 +32,20 @@ def test_c_block_keys_equal_the_reference_for_every_kind_of_token_list(block):
             assert keystore.block_keys(given, block).tolist() == want
 
 
+def test_block_keys_go_on_from_a_parent_key_as_the_chain_does():
+    """Blocks stored after a known block (a KV event's parent) key from its key."""
+    from services.router.keystore import chain, content_hash
+    rng = random.Random(3)
+    ids = [rng.randrange(0, 1 << 32) for _ in range(16 * 5)]
+    for parent in (0, 1, rng.getrandbits(64), (1 << 64) - 1):
+        want, key = [], parent
+        for i in range(5):
+            key = chain(key, content_hash(ids[i * 16:(i + 1) * 16]))
+            want.append(key)
+        assert py_block_keys(ids, 16, parent).tolist() == want
+        assert keystore.block_keys(ids, 16, parent).tolist() == want
+
+
 def test_c_block_keys_refuse_what_is_not_token_ids():
     with pytest.raises(ValueError):
         keystore.block_keys([1, 2, 3], 0)
