@@ -66,8 +66,13 @@ def worker_pids(up_pid: int) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {f"{role}_{part}": [] for role in ("prefill", "decode")
                                  for part in ("worker", "engine")}
     for c in psutil.Process(up_pid).children():
-        role = next((r for r in ("prefill", "decode") if r in c.cmdline()), None)
-        if role:
+        # A worker by its --worker-id (`up` names them prefill-0, decode-0, ...): the
+        # edge's command line holds "prefill" too (--first-token prefill).
+        args = c.cmdline()
+        if "--worker-id" not in args[:-1]:
+            continue
+        role = args[args.index("--worker-id") + 1].split("-")[0]
+        if role in ("prefill", "decode"):
             out[f"{role}_worker"].append(c.pid)
             out[f"{role}_engine"] += [g.pid for g in c.children(recursive=True)]
     return out

@@ -68,10 +68,14 @@ def test_smg_over_pdserve_workers_equals_single_engine(smg, stack, reference, ca
 
 def test_bench_gateways_measures_the_edge_and_smg_over_the_same_workers(smg, stack):
     # `pdserve bench gateways` starts a stack and SMG of its own, then measures this way.
+    # The workers are told apart from the gateway (whose flags say "prefill" too).
+    workers = worker_pids(stack.proc.popen.pid)
+    assert [len(workers[f"{role}_worker"]) for role in ("prefill", "decode")] == [1, 1]
+    assert not set(workers["prefill_worker"]) & set(gateway_pids(stack.proc.popen.pid))
     result = gateways.measure({"pdserve": ([stack.url], gateway_pids(stack.proc.popen.pid)),
                                "smg": (smg.urls, smg.pids())},
                               stack.model, n=2, rate=4, reps=1, seed=0,
-                              workers=worker_pids(stack.proc.popen.pid),
+                              workers=workers,
                               engines={"prefill": stack.prefill_metrics,
                                        "decode": stack.decode_metrics})
     assert set(result["gateways"]) == {"pdserve", "smg"}
