@@ -60,6 +60,8 @@ class PrefixIndex:
         if parent is None:
             return                        # its parent was never seen: not a prefix we can key
         full = list(itertools.takewhile(lambda b: len(b[1]) == self.block_size, blocks))
+        if not full:
+            return
         tokens = [t for _, block in full for t in block]
         for (engine_hash, _), key in zip(full, block_keys(tokens, self.block_size, parent)):
             keys[engine_hash] = key

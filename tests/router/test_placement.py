@@ -63,6 +63,7 @@ def test_packed_and_repeated_token_ids_place_alike():
 
 
 def test_index_follows_stored_and_removed_events():
+    PrefixIndex().stored("d0", None, [])          # no blocks, no block size yet: nothing
     index = PrefixIndex(BLOCK)
     ids = list(range(12))
     keys = block_keys(ids, BLOCK)
