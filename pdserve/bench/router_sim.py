@@ -30,8 +30,8 @@ import gc
 import hashlib
 import heapq
 import itertools
-import random
 import os
+import random
 import struct
 import time
 from collections import OrderedDict, defaultdict

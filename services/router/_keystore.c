@@ -32,6 +32,25 @@
 
 /* ---- block keys ---------------------------------------------------------------- */
 
+/* A buffer's item format as one integer format character ('b' ... 'Q'), byte order
+ * prefix dropped; 0 for any other format. */
+static char
+int_format(const Py_buffer *view)
+{
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    return f[0] && !f[1] && strchr("bBhHiIlLqQ", f[0]) ? f[0] : 0;
+}
+
+/* An int argument as a uint64 key (mod 2**64); -1 with an exception set if not an int. */
+static int
+key_arg(PyObject *arg, uint64_t *key)
+{
+    *key = PyLong_AsUnsignedLongLongMask(arg);
+    return *key == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* Token ids as uint64s, from a buffer (bytes, array, numpy), a list or tuple, an object
  * with __array__ (protobuf's repeated fields), or any sequence. */
 static uint64_t *
@@ -50,16 +69,14 @@ token_ids(PyObject *obj, Py_ssize_t *count)
     if (PyObject_CheckBuffer(obj)) {
         if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
             goto done;
-        const char *f = view.format ? view.format : "B";
-        if (*f == '<' || *f == '=' || *f == '@')
-            f++;
-        if (f[0] == '\0' || f[1] != '\0' || strchr("bBhHiIlLqQ", f[0]) == NULL) {
+        char f = int_format(&view);
+        if (!f) {
             PyErr_Format(PyExc_TypeError, "token ids must be integers, not format '%s'",
                          view.format ? view.format : "B");
             PyBuffer_Release(&view);
             goto done;
         }
-        int sign = (*f == 'b' || *f == 'h' || *f == 'i' || *f == 'l' || *f == 'q');
+        int sign = (f == 'b' || f == 'h' || f == 'i' || f == 'l' || f == 'q');
         Py_ssize_t n = view.itemsize ? view.len / view.itemsize : 0;
         out = PyMem_Malloc((n ? n : 1) * sizeof(uint64_t));
         if (out == NULL) {
@@ -120,11 +137,8 @@ block_keys(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "On|O:block_keys", &obj, &block, &parent_obj))
         return NULL;
     uint64_t parent = 0;
-    if (parent_obj != NULL) {
-        parent = PyLong_AsUnsignedLongLongMask(parent_obj);
-        if (parent == (uint64_t)-1 && PyErr_Occurred())
-            return NULL;
-    }
+    if (parent_obj != NULL && key_arg(parent_obj, &parent) < 0)
+        return NULL;
     if (block <= 0 || block > 4096) {
         PyErr_Format(PyExc_ValueError, "block_size must be 1..4096, got %zd", block);
         return NULL;
@@ -290,12 +304,10 @@ keys_of(PyObject *obj, Keys *k)
     if (PyObject_CheckBuffer(obj)) {
         if (PyObject_GetBuffer(obj, &k->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
             return -1;
-        const char *f = k->view.format ? k->view.format : "B";
-        if (*f == '<' || *f == '=' || *f == '@')
-            f++;
+        char f = int_format(&k->view);
         /* 64-bit ints as they are, or raw bytes (block_keys' own output)... */
-        int wide = k->view.itemsize == 8 && f[0] && !f[1] && strchr("qQlL", f[0]);
-        int raw = k->view.itemsize == 1 && f[0] == 'B' && !f[1] && k->view.len % 8 == 0;
+        int wide = k->view.itemsize == 8 && f && strchr("qQlL", f);
+        int raw = k->view.itemsize == 1 && f == 'B' && k->view.len % 8 == 0;
         if (wide || raw) {
             k->p = k->view.buf;
             k->n = k->view.len / 8;
@@ -401,10 +413,8 @@ KeyStore_place(KeyStore *s, PyObject *args)
 static PyObject *
 KeyStore_confirm(KeyStore *s, PyObject *arg)
 {
-    uint64_t key = PyLong_AsUnsignedLongLongMask(arg);
-    if (key == (uint64_t)-1 && PyErr_Occurred())
-        return NULL;
-    if (put(s, key, INFINITY) < 0)
+    uint64_t key;
+    if (key_arg(arg, &key) < 0 || put(s, key, INFINITY) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -412,8 +422,8 @@ KeyStore_confirm(KeyStore *s, PyObject *arg)
 static PyObject *
 KeyStore_drop(KeyStore *s, PyObject *arg)
 {
-    uint64_t key = PyLong_AsUnsignedLongLongMask(arg);
-    if (key == (uint64_t)-1 && PyErr_Occurred())
+    uint64_t key;
+    if (key_arg(arg, &key) < 0)
         return NULL;
     Slot *slot = find(s, key);
     if (slot->until != 0)
