@@ -24,9 +24,9 @@ ifeq ($(EXTRAS),cpu)
 endif
 	touch $(STAMP)
 
-# The router's C prefix index (setup.py), rebuilt in place when its source changes;
-# without a compiler the router runs the Python one.
-$(NATIVE): $(STAMP) services/router/_keystore.c
+# The router's C placement core (setup.py), rebuilt in place when its source changes;
+# without a compiler the router runs the Python reference.
+$(NATIVE): $(STAMP) services/router/_placement.c
 	$(PY) setup.py -q build_ext --inplace
 	touch $(NATIVE)
 

@@ -8,7 +8,7 @@ The hash is fast and the same in every process (no per-process salt), not
 cryptographic: a crafted collision can only misplace a request, never serve
 wrong KV, because the engine matches its own hashes.
 
-Two implementations of `block_keys` and `KeyStore`: the C module `_keystore`
+Two implementations of `block_keys` and `KeyStore`: the C module `_placement`
 (built with the package; what a router runs) and the Python below (the reference,
 and what runs where no compiler built the module). The C one exists for the
 decision's latency: a router idle between requests meets them with cold caches,
@@ -143,8 +143,8 @@ class PyKeyStore:
 
 
 try:
-    from ._keystore import KeyStore
-    from ._keystore import block_keys as _c_block_keys
+    from ._placement import KeyStore
+    from ._placement import block_keys as _c_block_keys
 
     def block_keys(token_ids, block_size: int, parent: int = ROOT) -> memoryview:
         """Keys of the full blocks of `token_ids`, as uint64s (see py_block_keys)."""

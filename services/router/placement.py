@@ -33,16 +33,15 @@ workers' next events arrive, within a step of the engines.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from dataclasses import dataclass
 
 from pdserve.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
 
-from .keystore import block_keys, unpacked
+from .keystore import KeyStore, block_keys, packed, unpacked
 from .prefix_index import PrefixIndex
-from .registry import WorkerEntry, WorkerRegistry
+from .registry import PENDING_SECONDS, WorkerEntry, WorkerRegistry, name_hash
 
 
 class NoWorkerError(Exception):
@@ -50,6 +49,7 @@ class NoWorkerError(Exception):
 
 
 _DEFAULTS = RouterConfig()
+_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +65,13 @@ class Policy:
     load_tokens: int = 256              # one request in flight costs this many tokens to prefill
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _score(session_id: str, worker_id: str) -> int:
-    """Rendezvous weight of a session on a worker (cached: a session's turns ask again)."""
-    return int.from_bytes(hashlib.blake2b(f"{session_id}/{worker_id}".encode(),
-                                          digest_size=8).digest(), "big")
+def rendezvous(session: int, seed: int) -> int:
+    """A session's weight on a worker (hashes by registry.name_hash): splitmix64's
+    finalizer of the two, as the C decision computes it."""
+    x = session ^ seed
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+    return x ^ (x >> 31)
 
 
 def load(e: WorkerEntry) -> int:
@@ -90,68 +92,142 @@ def bounded(candidates: list[WorkerEntry], balance: float, slack: int) -> list[W
     return [e for e in candidates if load(e) + 1 <= cap] or candidates
 
 
+# Why a request prefills where it does: decide()'s reason codes.
+REMOTE, SHORT, CACHED, NO_PREFILL, SATURATED = range(5)
+
+
 def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy,
           index: PrefixIndex | None = None
           ) -> tuple[router_pb2.RouteDecision, WorkerEntry, WorkerEntry | None]:
-    """Decide placement; raises NoWorkerError when no decode worker serves."""
-    exclude = set(req.exclude_workers)
-    decoders = registry.serving(common_pb2.WORKER_ROLE_DECODE, req.model, exclude)
-    if not decoders:
+    """Decide placement; raises NoWorkerError when no decode worker serves, ValueError
+    for packed token ids of a broken length."""
+    prompt_ids = req.prompt_token_ids_packed
+    if not prompt_ids and req.prompt_token_ids:
+        prompt_ids = packed(req.prompt_token_ids)        # a caller that sends them unpacked
+    if index is None:
+        index = _NO_INDEX
+    exclude = frozenset(req.exclude_workers) if req.exclude_workers else None
+    now, index_now = registry.clock(), index.clock()
+    decided = _decide(registry.entries(), index.stores, _knobs(policy), req.model, exclude,
+                      prompt_ids, req.prompt_tokens, index.block_size, req.session_id, now,
+                      registry.timeout, PENDING_SECONDS, index_now, index.provisional_ttl)
+    if decided is None:
         raise NoWorkerError(f"no decode worker serves model {req.model!r}")
-    packed = req.prompt_token_ids_packed
-    ids = unpacked(packed) if packed else req.prompt_token_ids
-    prompt = len(ids) or req.prompt_tokens
-    block = index.block_size if index else 0
-    keys = block_keys(ids, block) if block and ids else []
-
-    def matched(entries: list[WorkerEntry]) -> dict[str, int]:
-        if not keys:
-            return {e.worker_id: 0 for e in entries}
-        return index.matched_blocks(keys, [e.worker_id for e in entries])
-
-    under = bounded(decoders, policy.balance, policy.balance_slack)
-    held = matched(under)
-    if req.session_id:
-        session = req.session_id
-        decode = max(under, key=lambda e: (held[e.worker_id], _score(session, e.worker_id)))
-    else:
-        decode = min(under, key=lambda e: ((len(keys) - held[e.worker_id]) * block
-                                           + policy.load_tokens * load(e), e.routed,
-                                           e.worker_id))
-    # vLLM always computes the last prompt token itself, so at most prompt - 1 is cached.
-    cached = min(prompt - 1, held[decode.worker_id] * block)
-    prefill, reason = _prefill(registry, req, policy, prompt, cached, exclude, matched, block,
-                               len(keys))
-    if keys:
-        index.placed(decode.worker_id, keys, held[decode.worker_id])
-        if prefill is not None:
-            index.placed(prefill.worker_id, keys)
+    decode, prefill, cached, reason, uncached, prompt = decided
     decision = router_pb2.RouteDecision(decode=decode.info, local_prefill=prefill is None,
-                                        reason=reason, cached_tokens=cached)
+                                        reason=_reason(reason, policy, cached, uncached, prompt),
+                                        cached_tokens=cached)
     if prefill is not None:
         decision.prefill.CopyFrom(prefill.info)
     return decision, decode, prefill
 
 
-def _prefill(registry, req, policy: Policy, prompt: int, cached: int, exclude, matched,
-             block: int, n_keys: int) -> tuple[WorkerEntry | None, str]:
-    """The prefill worker, or None for local prefill; and why."""
+@functools.lru_cache(maxsize=16)
+def _knobs(policy: Policy) -> tuple:
+    """The policy as decide() reads it."""
+    return (float(policy.balance), policy.balance_slack, policy.local_below_tokens,
+            float(policy.local_cached_fraction), policy.prefill_saturated, policy.load_tokens)
+
+
+def _reason(code: int, policy: Policy, cached: int, uncached: int, prompt: int) -> str:
+    """The decision's reason; its first word is what the edge counts by."""
+    if code == SHORT:
+        return f"short: {uncached} uncached tokens < {policy.local_below_tokens}"
+    if code == CACHED:
+        return f"cached: decode worker holds {cached} of {prompt} tokens"
+    if code == NO_PREFILL:
+        return "no-prefill: no prefill worker serves"
+    if code == SATURATED:
+        return (f"prefill-saturated: every prefill worker has >= "
+                f"{policy.prefill_saturated} requests")
+    return f"remote: {uncached} uncached tokens"
+
+
+def py_decide(workers, stores, knobs, model, exclude, prompt_ids, prompt_tokens, block,
+              session, now, timeout, horizon, index_now, ttl):
+    """The decision (the Python reference of `_placement.decide`, which runs where the
+    module was built). `workers`: every registered worker; `stores`: worker id -> its
+    KeyStore (a store is made for a worker placed without one); `knobs`: `_knobs`;
+    `exclude`: worker ids or None; `prompt_ids`: packed token ids; `prompt_tokens`: the
+    prompt's length when no ids came; `block`: the engines' block size (0: unknown);
+    `now`/`timeout`/`horizon`: the registry's clock, heartbeat timeout and how long a
+    placement counts; `index_now`/`ttl`: the prefix index's clock and provisional TTL.
+    Returns None when no decode worker serves, else (decode, prefill or None for local
+    prefill, cached tokens, reason code, uncached tokens, prompt tokens)."""
+    balance, slack, local_below, local_fraction, saturated, load_tokens = knobs
+    exclude = exclude or ()
+
+    def serving(role: int) -> list:
+        return [e for e in workers if e.role == role and e.serving
+                and now - e.last_seen <= timeout and e.worker_id not in exclude
+                and (not model or e.model == model)]
+
+    for e in workers:
+        e.decay(now, horizon)
+    decoders = serving(common_pb2.WORKER_ROLE_DECODE)
+    if not decoders:
+        return None
+    ids = unpacked(prompt_ids)
+    prompt = len(ids) or prompt_tokens
+    keys = block_keys(ids, block) if block and ids else []
+
+    def matched(entries: list) -> list[int]:
+        return [stores[e.worker_id].match(keys, index_now)
+                if keys and e.worker_id in stores else 0 for e in entries]
+
+    def least_cost(entries: list, held: list[int]) -> int:
+        return min(range(len(entries)), key=lambda i: (
+            (len(keys) - held[i]) * block + load_tokens * load(entries[i]),
+            entries[i].routed, entries[i].worker_id))
+
+    under = bounded(decoders, balance, slack)
+    held = matched(under)
+    if session:
+        h = name_hash(session)
+        d = max(range(len(under)), key=lambda i: (held[i], rendezvous(h, under[i].seed)))
+    else:
+        d = least_cost(under, held)
+    decode, prefill = under[d], None
+    # vLLM always computes the last prompt token itself, so at most prompt - 1 is cached.
+    cached = min(prompt - 1, held[d] * block)
     uncached = prompt - cached
-    if uncached < policy.local_below_tokens:
-        return None, f"short: {uncached} uncached tokens < {policy.local_below_tokens}"
-    if cached >= policy.local_cached_fraction * prompt:
-        return None, f"cached: decode worker holds {cached} of {prompt} tokens"
-    prefillers = registry.serving(common_pb2.WORKER_ROLE_PREFILL, req.model, exclude)
-    if not prefillers:
-        return None, "no-prefill: no prefill worker serves"
-    # Only a load the engine pushes is fresh enough to call a worker full: a polled
-    # one (read every few seconds) plus what was placed since overstates it.
-    free = [e for e in prefillers if not (policy.prefill_saturated and e.load_pushed
-                                          and load(e) >= policy.prefill_saturated)]
-    if not free:
-        return None, (f"prefill-saturated: every prefill worker has >= "
-                      f"{policy.prefill_saturated} requests")
-    held = matched(free)
-    best = min(free, key=lambda e: ((n_keys - held[e.worker_id]) * block
-                                    + policy.load_tokens * load(e), e.routed, e.worker_id))
-    return best, f"remote: {uncached} uncached tokens"
+    if uncached < local_below:
+        reason = SHORT
+    elif cached >= local_fraction * prompt:
+        reason = CACHED
+    else:
+        prefillers = serving(common_pb2.WORKER_ROLE_PREFILL)
+        # Only a load the engine pushes is fresh enough to call a worker full: a polled
+        # one (read every few seconds) plus what was placed since overstates it.
+        free = [e for e in prefillers
+                if not (saturated and e.load_pushed and load(e) >= saturated)]
+        if not prefillers:
+            reason = NO_PREFILL
+        elif not free:
+            reason = SATURATED
+        else:
+            prefill, reason = free[least_cost(free, matched(free))], REMOTE
+    if keys:                    # the placed prompt counts as held there, provisionally
+        for store in stores.values():
+            store.expire(index_now)
+        for worker, start in ((decode, held[d]), (prefill, 0)):
+            if worker is not None:
+                store = stores.get(worker.worker_id)
+                if store is None:
+                    store = stores[worker.worker_id] = KeyStore()
+                store.place(keys, start, index_now + ttl)
+    return decode, prefill, cached, reason, uncached, prompt
+
+
+class _NoIndex:
+    """No prefix index: no block size, so no keys."""
+    block_size, provisional_ttl, stores = 0, 0.0, {}
+    clock = staticmethod(lambda: 0.0)
+
+
+_NO_INDEX = _NoIndex()
+
+try:
+    from ._placement import decide as _decide
+except ImportError:             # not built: the reference runs (keystore.NATIVE)
+    _decide = py_decide

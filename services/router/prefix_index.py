@@ -32,20 +32,20 @@ class PrefixIndex:
         self.block_size = block_size
         self.provisional_ttl = provisional_ttl
         self.clock = clock
-        self._keys: dict[str, KeyStore] = {}                        # worker -> its keys
+        self.stores: dict[str, KeyStore] = {}                       # worker -> its keys
         self._engine_keys: dict[str, dict[int, int]] = defaultdict(dict)  # worker: hash -> key
 
     def _store(self, worker: str) -> KeyStore:
-        store = self._keys.get(worker)
+        store = self.stores.get(worker)
         if store is None:
-            store = self._keys[worker] = KeyStore()
+            store = self.stores[worker] = KeyStore()
         return store
 
     def placed(self, worker: str, keys: Sequence[int], held: int = 0) -> None:
         """`worker` was just given a prompt with these block keys, of which it holds the
         first `held` already."""
         now = self.clock()
-        for store in self._keys.values():
+        for store in self.stores.values():
             store.expire(now)
         self._store(worker).place(keys, held, now + self.provisional_ttl)
 
@@ -69,7 +69,7 @@ class PrefixIndex:
 
     def removed(self, worker: str, engine_hashes: Iterable[int]) -> None:
         """Blocks the worker evicted."""
-        keys, store = self._engine_keys.get(worker, {}), self._keys.get(worker)
+        keys, store = self._engine_keys.get(worker, {}), self.stores.get(worker)
         for h in engine_hashes:
             key = keys.pop(h, None)
             if key is not None and store is not None:
@@ -78,11 +78,11 @@ class PrefixIndex:
     def forget(self, worker: str) -> None:
         """The worker's cache is gone (cleared, restarted, or the worker left)."""
         self._engine_keys.pop(worker, None)
-        self._keys.pop(worker, None)
+        self.stores.pop(worker, None)
 
     def matched_blocks(self, keys: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
         """For each worker, how many leading blocks of `keys` it holds."""
-        now, stores = self.clock(), self._keys
+        now, stores = self.clock(), self.stores
         return {w: stores[w].match(keys, now) if w in stores else 0 for w in workers}
 
     def blocks_held(self, worker: str) -> int:

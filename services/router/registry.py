@@ -8,37 +8,88 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from pdserve.v1 import common_pb2, router_pb2
 
 PENDING_SECONDS = 1.0
 
 
-@dataclass(slots=True)
-class WorkerEntry:
-    """One registered worker and its load as the router accounts it."""
+class PyWorker:
+    """A worker's load as the router accounts it: the Python reference of the C
+    `_placement.Worker` (what runs where the module was not built), and
+    `WorkerEntry`'s base either way. Plain fields, so that a native decision reads
+    them without Python."""
 
-    info: router_pb2.WorkerInfo
-    last_seen: float
-    routed: int = 0                  # requests placed here (spreads load round-robin)
-    load: int = 0                    # running + waiting on its engine, as last reported
-    pending: int = 0                 # requests placed here since that report
-    load_pushed: bool = False        # `load` comes from the engine's event stream (fresh)
-    placed_at: deque = field(default_factory=deque)    # when each pending one was placed
-    capacity: int = 0                # requests its engine runs at once; 0 unknown
-    kv_usage: float = 0.0            # fraction of its KV cache in use
-    # What placement reads of `info`, per worker and request, copied out of it: a
-    # protobuf field costs several attribute reads, more so with cold caches.
-    worker_id: str = field(init=False)
-    role: int = field(init=False)
-    model: str = field(init=False)
-    serving: bool = field(init=False)
+    __slots__ = ("_worker_id", "seed", "model", "role", "serving", "load_pushed",
+                 "last_seen", "load", "routed", "_placed_at")
 
-    def __post_init__(self) -> None:
-        self.set_info(self.info)
+    def __init__(self) -> None:
+        self.worker_id, self.model, self.role, self.serving = "", "", 0, False
+        self.load_pushed, self.last_seen, self.load, self.routed = False, 0.0, 0, 0
+        self._placed_at: deque[float] = deque()      # when each pending one was placed
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
+
+    @worker_id.setter
+    def worker_id(self, value: str) -> None:
+        self._worker_id, self.seed = value, name_hash(value)
+
+    @property
+    def pending(self) -> int:
+        """Placements not yet in a load report."""
+        return len(self._placed_at)
+
+    def placed(self, now: float) -> None:
+        """One more request placed here, not yet in a load report."""
+        self._placed_at.append(now)
+        self.routed += 1
+
+    def clear_pending(self) -> None:
+        """A load report covers every placement so far."""
+        self._placed_at.clear()
+
+    def decay(self, now: float, horizon: float) -> None:
+        """Placements older than `horizon` stop counting."""
+        placed = self._placed_at
+        while placed and now - placed[0] > horizon:
+            placed.popleft()
+
+
+def name_hash(name: str) -> int:
+    """FNV-1a over the UTF-8 bytes: a worker's rendezvous seed, a session's hash."""
+    h = 0xCBF29CE484222325
+    for b in name.encode():
+        h = (h ^ b) * 0x100000001B3 & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+try:
+    from ._placement import Worker
+except ImportError:                 # not built: the reference runs (keystore.NATIVE)
+    Worker = PyWorker
+
+
+class WorkerEntry(Worker):
+    """One registered worker: its `info` as it registered, and its load."""
+
+    __slots__ = ("info", "capacity", "kv_usage")
+
+    def __init__(self, info: router_pb2.WorkerInfo, last_seen: float):
+        super().__init__()
+        self.last_seen = last_seen
+        self.capacity = 0                # requests its engine runs at once; 0 unknown
+        self.kv_usage = 0.0              # fraction of its KV cache in use
+        self.set_info(info)
+
+    def __repr__(self) -> str:
+        return (f"WorkerEntry({self.worker_id!r}, role={self.role}, load={self.load}"
+                f"+{self.pending}, routed={self.routed})")
 
     def set_info(self, info: router_pb2.WorkerInfo) -> None:
+        # What placement reads of `info` is copied out of it: a protobuf field costs
+        # several attribute reads per worker and request, more so with cold caches.
         self.info = info
         self.worker_id, self.role, self.model, self.serving = (
             info.worker_id, info.role, info.model, info.serving)
@@ -47,8 +98,7 @@ class WorkerEntry:
                  kv_usage: float | None = None) -> None:
         """The engine's own count of its requests: it covers every placement so far."""
         self.load = load
-        self.pending = 0
-        self.placed_at.clear()
+        self.clear_pending()
         if capacity is not None:
             self.capacity = capacity
         if kv_usage is not None:
@@ -62,6 +112,7 @@ class WorkerRegistry:
         self.timeout = timeout
         self.clock = clock
         self.workers: dict[str, WorkerEntry] = {}
+        self._entries: tuple[WorkerEntry, ...] | None = None     # workers' values, cached
 
     def register(self, info: router_pb2.WorkerInfo) -> bool:
         """Add or refresh a worker; True when it is new (or came back)."""
@@ -70,6 +121,7 @@ class WorkerRegistry:
         fresh = entry is None or not self._alive(entry, now) or entry.info.address != info.address
         if entry is None or entry.info.address != info.address:
             self.workers[info.worker_id] = WorkerEntry(info=info, last_seen=now)
+            self._entries = None
         else:
             entry.set_info(info)
             entry.last_seen = now
@@ -77,28 +129,30 @@ class WorkerRegistry:
 
     def placed(self, entry: WorkerEntry) -> None:
         """One more request placed on `entry`, not yet in any report of its load."""
-        entry.routed += 1
-        entry.pending += 1
-        entry.placed_at.append(self.clock())
+        entry.placed(self.clock())
 
     def deregister(self, worker_id: str) -> bool:
         """Forget a worker (it is shutting down)."""
+        self._entries = None
         return self.workers.pop(worker_id, None) is not None
+
+    def entries(self) -> tuple[WorkerEntry, ...]:
+        """Every worker, registered or not serving, in registration order."""
+        if self._entries is None:
+            self._entries = tuple(self.workers.values())
+        return self._entries
 
     def serving(self, role: int, model: str = "", exclude: set[str] | frozenset = frozenset()
                 ) -> list[WorkerEntry]:
         """Live workers of `role` for `model`, minus `exclude`."""
         now, out = self.clock(), []
-        for e in self.workers.values():
+        for e in self.entries():
             # A placement counts until a report covers it, or for PENDING_SECONDS: an
             # engine reports within a tick when its load changes, so one older than that
             # has finished already (a request that starts and ends between two ticks
             # changes nothing) or its worker's reports stalled. Either way it must not
             # keep the worker out of placement.
-            placed = e.placed_at
-            while placed and now - placed[0] > PENDING_SECONDS:
-                placed.popleft()
-                e.pending = len(placed)
+            e.decay(now, PENDING_SECONDS)
             if (e.role == role and self._alive(e, now) and e.worker_id not in exclude
                     and (not model or e.model == model)):
                 out.append(e)
@@ -113,6 +167,7 @@ class WorkerRegistry:
         now = self.clock()
         for wid in [w for w, e in self.workers.items() if now - e.last_seen > 10 * self.timeout]:
             del self.workers[wid]
+            self._entries = None
         out = []
         for e in self.workers.values():
             info = router_pb2.WorkerInfo()

@@ -1,4 +1,4 @@
-"""The prefix index's two implementations (C `_keystore`, Python reference) agree."""
+"""The prefix index's two implementations (C `_placement`, Python reference) agree."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from pdserve.v1 import router_pb2
 from services.router import keystore
 from services.router.keystore import PyKeyStore, py_block_keys
 
-native = pytest.importorskip("services.router._keystore",
+native = pytest.importorskip("services.router._placement",
                              reason="the C module was not built (no compiler)")
 
 
@@ -119,17 +119,28 @@ def test_a_keystore_holds_reported_keys_for_good_and_placed_ones_until_their_tim
         s.place([5], 0, math.inf)
 
 
-def test_without_the_c_module_the_router_runs_the_python_index():
+def test_without_the_c_module_the_router_places_with_the_python_reference():
     import subprocess
     import sys
-    code = ("import sys; sys.modules['services.router._keystore'] = None\n"
+    code = ("import sys; sys.modules['services.router._placement'] = None\n"
             "from services.router import keystore\n"
             "from services.router.prefix_index import PrefixIndex\n"
             "assert not keystore.NATIVE and keystore.KeyStore is keystore.PyKeyStore\n"
             "index = PrefixIndex(4)\n"
             "index.stored('w', None, [(1, [1, 2, 3, 4]), (2, [5, 6, 7, 8])])\n"
             "keys = keystore.block_keys(list(range(1, 11)), 4)\n"
-            "print(index.matched_blocks(keys, ['w', 'v']))\n")
+            "print(index.matched_blocks(keys, ['w', 'v']))\n"
+            "from pdserve.v1 import router_pb2\n"
+            "from services.router import placement, registry\n"
+            "assert placement._decide is placement.py_decide\n"
+            "assert registry.Worker is registry.PyWorker\n"
+            "reg = registry.WorkerRegistry(timeout=10)\n"
+            "for w in ('v', 'w'):\n"
+            "    reg.register(router_pb2.WorkerInfo(worker_id=w, role=2, model='m',\n"
+            "                                       address=w, serving=True))\n"
+            "req = router_pb2.RouteRequest(model='m', prompt_token_ids=list(range(1, 11)))\n"
+            "decision, _, _ = placement.place(reg, req, placement.Policy(), index)\n"
+            "print(decision.decode.worker_id, decision.cached_tokens)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
-    assert out.strip() == "{'w': 2, 'v': 0}"
+    assert out.split("\n")[:2] == ["{'w': 2, 'v': 0}", "w 8"]

@@ -1,0 +1,137 @@
+"""The decision's two implementations (C `_placement.decide`, Python `py_decide`) agree:
+the same workers chosen for the same reasons, and the same state left behind."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.v1 import common_pb2, router_pb2
+from services.router import placement
+from services.router.keystore import PyKeyStore, packed
+from services.router.placement import Policy, _knobs, py_decide
+from services.router.registry import PENDING_SECONDS, PyWorker, WorkerEntry, name_hash
+
+native = pytest.importorskip("services.router._placement",
+                             reason="the C module was not built (no compiler)")
+PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
+BLOCK = 4
+
+
+class PyEntry(PyWorker):
+    __slots__ = ("info",)
+
+
+def _twins(rng: random.Random, n: int):
+    """The same workers twice: C-based entries and Python-reference ones."""
+    out_c, out_py = [], []
+    for i in range(n):
+        info = router_pb2.WorkerInfo(worker_id=f"w{i}", role=rng.choice([PREFILL, DECODE]),
+                                     model=rng.choice(["m", "m", "other"]), address=f"a{i}",
+                                     serving=rng.random() < 0.9)
+        c, py = WorkerEntry(info=info, last_seen=rng.uniform(0, 10)), PyEntry()
+        py.info = info
+        py.worker_id, py.role, py.model, py.serving = (info.worker_id, info.role, info.model,
+                                                       info.serving)
+        py.last_seen = c.last_seen
+        c.load = py.load = rng.randrange(0, 6)
+        c.load_pushed = py.load_pushed = rng.random() < 0.5
+        for _ in range(rng.randrange(0, 4)):
+            at = rng.uniform(8, 10)
+            c.placed(at)
+            py.placed(at)
+        out_c.append(c)
+        out_py.append(py)
+    return tuple(out_c), tuple(out_py)
+
+
+def _prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
+    head = rng.choice(prefixes)[:rng.randrange(0, 40)]
+    return head + [rng.randrange(0, 50) for _ in range(rng.randrange(0, 12))]
+
+
+def test_the_c_and_python_decisions_agree_over_random_states():
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(0, 50) for _ in range(40)] for _ in range(4)]
+    for trial in range(300):
+        workers_c, workers_py = _twins(rng, rng.randrange(0, 7))
+        stores_c, stores_py = {}, {}
+        for w in workers_c:                          # some of what each worker holds
+            if rng.random() < 0.8:
+                ids = packed(rng.choice(prefixes)[:rng.randrange(0, 40)])
+                until = rng.choice([float("inf"), rng.uniform(0, 20)])
+                sc, sp = native.KeyStore(), PyKeyStore()
+                keys = placement.block_keys(placement.unpacked(ids), BLOCK)
+                for store in (sc, sp):
+                    if until == float("inf"):
+                        for k in keys:
+                            store.confirm(k)
+                    else:
+                        store.place(keys, 0, until)
+                stores_c[w.worker_id], stores_py[w.worker_id] = sc, sp
+        knobs = _knobs(Policy(balance=rng.choice([1.0, 1.25, 2.0]),
+                              balance_slack=rng.randrange(0, 3),
+                              local_below_tokens=rng.choice([0, 8, 30]),
+                              local_cached_fraction=rng.choice([0.5, 0.9]),
+                              prefill_saturated=rng.choice([0, 2, 4])))
+        ids = _prompt(rng, prefixes)
+        args = (knobs, rng.choice(["m", "", "other", "none"]),
+                rng.choice([None, frozenset({"w0", "w3"})]), packed(ids),
+                rng.randrange(0, 30), rng.choice([0, BLOCK]),
+                rng.choice(["", "s1", f"session-{trial}", "ünï"]), 10.0,
+                rng.choice([1.0, 100.0]), PENDING_SECONDS, 5.0, 10.0)
+        got = native.decide(workers_c, stores_c, *args)
+        placement_keystore = placement.KeyStore
+        placement.KeyStore = PyKeyStore                  # stores the reference makes
+        try:
+            want = py_decide(workers_py, stores_py, *args)
+        finally:
+            placement.KeyStore = placement_keystore
+        name = lambda w: w and w.worker_id               # noqa: E731
+        if want is None:
+            assert got is None, trial
+        else:
+            assert (name(got[0]), name(got[1]), *got[2:]) == \
+                   (name(want[0]), name(want[1]), *want[2:]), trial
+        assert [w.pending for w in workers_c] == [w.pending for w in workers_py], trial
+        assert sorted(stores_c) == sorted(stores_py), trial
+        probe = placement.block_keys(ids, BLOCK)
+        for w in stores_c:
+            for t in (5.0, 14.0, 16.0):
+                assert stores_c[w].match(probe, t) == stores_py[w].match(probe, t), trial
+
+
+def test_a_worker_keeps_its_load_and_seed_in_c_fields():
+    entry = WorkerEntry(info=router_pb2.WorkerInfo(worker_id="d0", role=DECODE, model="m"),
+                        last_seen=1.0)
+    assert isinstance(entry, native.Worker)
+    assert entry.seed == name_hash("d0") and entry.pending == 0
+    for t in (1.0, 1.5, 2.5):
+        entry.placed(t)
+    assert entry.routed == 3 and entry.pending == 3
+    entry.decay(2.4, PENDING_SECONDS)                      # the one from t=1.0 aged out
+    assert entry.pending == 2
+    entry.reported(4)
+    assert entry.load == 4 and entry.pending == 0 and entry.routed == 3
+    with pytest.raises(TypeError):
+        entry.worker_id = 5
+    for i in range(200):                                   # the ring grows, oldest first
+        entry.placed(10.0 + i / 100)
+    entry.decay(11.995, PENDING_SECONDS)
+    assert entry.pending == 100 and entry.routed == 203
+
+
+def test_decide_refuses_a_broken_prompt_and_wrong_arguments():
+    knobs = _knobs(Policy())
+    workers = (WorkerEntry(info=router_pb2.WorkerInfo(worker_id="d0", role=DECODE, model="m",
+                                                      serving=True), last_seen=0.0),)
+    with pytest.raises(ValueError, match="4 bytes each"):
+        native.decide(workers, {}, knobs, "m", None, b"\x01\x02\x03", 0, BLOCK, "", 0.0, 1.0,
+                      1.0, 0.0, 1.0)
+    with pytest.raises(TypeError):
+        native.decide(({},), {}, knobs, "m", None, b"", 0, BLOCK, "", 0.0, 1.0, 1.0, 0.0, 1.0)
+    with pytest.raises(TypeError):
+        native.decide(workers, {}, knobs)
+    got = native.decide(workers, {}, knobs, "m", None, b"", 7, BLOCK, "", 0.0, 1.0, 1.0, 0.0,
+                        1.0)
+    assert got[0] is workers[0] and got[1] is None and got[5] == 7
