@@ -3,7 +3,7 @@
     pdserve bench serve [vllm bench serve flags]   one endpoint, vLLM's own benchmark
     pdserve bench compare [--quick] [--json]        P/D vs colocated, side by side
     pdserve bench gateways [--json]                 pdserve's edge vs SMG on the same workers
-    pdserve bench router [--json]                   placement replayed on a chat trace (simulator)
+    pdserve bench router [--seeds N] [--json]       placement replayed on a chat trace (simulator)
     pdserve bench sessions [--json]                 multi-turn chat on 2 decode workers: pdserve
                                                     vs SMG cache_aware / consistent_hashing
     pdserve bench edge [--streams N] [--rate R]     N concurrent SSE streams: direct, through
@@ -194,14 +194,16 @@ def _router(argv: list[str]) -> int:
     p.add_argument("--balance-slack", type=int, default=RouterConfig().balance_slack,
                    help="or this many requests over the mean")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="also replay the traces of the next seeds, and summarise them all")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if a.workers < 2 or a.sessions < 10 or a.balance < 1:
-        print("pdserve bench router: needs --workers >= 2, --sessions >= 10, --balance >= 1",
-              file=sys.stderr)
+    if a.workers < 2 or a.sessions < 10 or a.balance < 1 or a.seeds < 1:
+        print("pdserve bench router: needs --workers >= 2, --sessions >= 10, --balance >= 1, "
+              "--seeds >= 1", file=sys.stderr)
         return 2
     result = run_all(SimConfig(workers=a.workers, sessions=a.sessions, seed=a.seed,
-                               balance=a.balance, balance_slack=a.balance_slack))
+                               balance=a.balance, balance_slack=a.balance_slack), a.seeds)
     if a.json:
         print(json.dumps(result))
         return 0
@@ -215,6 +217,14 @@ def _router(argv: list[str]) -> int:
           f"({result['decision_p99_us_back_to_back']} us back to back)")
     for k, v in result["targets"].items():
         print(f"  target {k}: {'met' if v else 'MISSED'}")
+    if "over_seeds" in result:
+        over = result["over_seeds"]
+        print(f"over seeds {over['seeds']} (min / median / max):")
+        for name, figures in over["policies"].items():
+            print(f"{name:<16}" + "".join(f"{' / '.join(f'{x:g}' for x in figures[k]):>26}"
+                                          for k in keys))
+        for k, met in over["targets_met_by_seed"].items():
+            print(f"  target {k}: met on {sum(met)} of {len(met)} seeds")
     return 0
 
 

@@ -27,3 +27,23 @@ def test_bench_router_json_compares_policies_on_one_trace():
         "moved_fraction_on_leave"]
     # The load bound holds where plain consistent hashing piles up.
     assert p["pdserve"]["max_over_mean_load"] <= 1.35
+
+
+def test_bench_router_summarises_several_seeds():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "router", "--json",
+                          "--sessions", "200", "--workers", "3", "--seed", "4", "--seeds", "2"],
+                         cwd=ROOT, check=True, capture_output=True, text=True,
+                         timeout=300).stdout
+    result = json.loads(out)
+    over = result["over_seeds"]
+    assert over["seeds"] == [4, 5]
+    for name, figures in over["policies"].items():
+        for k, (lo, mid, hi) in figures.items():
+            assert lo <= mid <= hi, (name, k)
+        # seed 4's own figures are the top-level ones, and lie within the range
+        for k, v in result["policies"][name].items():
+            assert figures[k][0] <= v <= figures[k][2], (name, k)
+    assert all(len(met) == 2 and set(met) <= {True, False}
+               for met in over["targets_met_by_seed"].values())
+    p = result["policies"]["pdserve"]
+    assert p["max_over_mean_load_arrivals"] <= p["max_over_mean_load"]
