@@ -929,10 +929,12 @@ decide(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         uint64_t sh;
         if (name_hash(session, &sh) < 0)
             goto done;
+        /* The most held, then the least loaded, then the highest rendezvous weight. */
         uint64_t best = rendezvous(sh, dec[0]->seed);
         for (Py_ssize_t i = 1; i < n_under; i++) {
             uint64_t score = rendezvous(sh, dec[i]->seed);
-            if (held[i] > held[d] || (held[i] == held[d] && score > best)) {
+            Py_ssize_t a = load_of(dec[i]), b = load_of(dec[d]);
+            if (held[i] > held[d] || (held[i] == held[d] && (a < b || (a == b && score > best)))) {
                 d = i;
                 best = score;
             }

@@ -46,4 +46,4 @@ def test_bench_router_summarises_several_seeds():
     assert all(len(met) == 2 and set(met) <= {True, False}
                for met in over["targets_met_by_seed"].values())
     p = result["policies"]["pdserve"]
-    assert p["max_over_mean_load_arrivals"] <= p["max_over_mean_load"]
+    assert p["max_over_mean_load_steady"] <= p["max_over_mean_load"]
