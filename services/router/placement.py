@@ -32,7 +32,7 @@ The policy, in order:
 Every input is either the request or state every router replica receives
 alike (worker reports, KV events); a replica's own are the count of requests
 placed since the last report and the prefixes it placed that the engines have
-not reported yet (`PrefixIndex.placed`): two replicas agree again once the
+not reported yet (provisional keys): two replicas agree again once the
 workers' next events arrive, within a step of the engines.
 """
 from __future__ import annotations

@@ -20,7 +20,8 @@ class PrefixIndex:
     """Block keys per worker, kept from stored/removed events. The block size is the
     engines' (all workers of a model share it); 0 until the first event tells it.
 
-    A prompt just placed on a worker counts as held there at once (`placed`),
+    A prompt just placed on a worker counts as held there at once (the decision
+    places its keys in the worker's store: placement.py_decide),
     before the engine has computed it and published its blocks: otherwise a burst
     of requests sharing a system prompt would scatter, each placed before the
     first one's blocks are reported. Such a provisional entry ends when the
@@ -40,14 +41,6 @@ class PrefixIndex:
         if store is None:
             store = self.stores[worker] = KeyStore()
         return store
-
-    def placed(self, worker: str, keys: Sequence[int], held: int = 0) -> None:
-        """`worker` was just given a prompt with these block keys, of which it holds the
-        first `held` already."""
-        now = self.clock()
-        for store in self.stores.values():
-            store.expire(now)
-        self._store(worker).place(keys, held, now + self.provisional_ttl)
 
     def stored(self, worker: str, parent_hash: int | None,
                blocks: Iterable[tuple[int, Sequence[int]]]) -> None:

@@ -80,17 +80,21 @@ def test_index_follows_stored_and_removed_events():
 
 def test_a_placed_prompt_counts_as_held_until_reported_or_expired():
     now = [0.0]
+    reg = _registry(2, prefillers=0)
     index = PrefixIndex(BLOCK, provisional_ttl=10.0, clock=lambda: now[0])
     ids = list(range(12))
     keys = block_keys(ids, BLOCK)
-    index.placed("d0", keys)
-    assert index.matched_blocks(keys, ["d0", "d1"]) == {"d0": 3, "d1": 0}
-    _store(index, "d0", ids[:8])                                  # the engine reports 2 of 3
+    d = place(reg, _req(ids), Policy(), index)[1].info.worker_id
+    other = "d1" if d == "d0" else "d0"
+    assert index.matched_blocks(keys, [d, other]) == {d: 3, other: 0}
+    _store(index, d, ids[:8])                                     # the engine reports 2 of 3
     now[0] = 11.0
-    index.placed("d1", keys[:1])                                  # any call expires old ones
-    assert index.matched_blocks(keys, ["d0", "d1"]) == {"d0": 2, "d1": 1}
-    index.forget("d1")
-    assert index.matched_blocks(keys, ["d1"]) == {"d1": 0}
+    assert index.matched_blocks(keys, [d]) == {d: 2}              # the third one expired
+    assert len(index.stores[d]) == 3                              # ... and is not swept yet
+    went = place(reg, _req([50] * BLOCK), Policy(), index)[1].info.worker_id
+    assert len(index.stores[d]) == 2 + (went == d)                # any placement sweeps
+    index.forget(d)
+    assert index.matched_blocks(keys, [d]) == {d: 0}
 
 
 def test_a_burst_sharing_a_system_prompt_stays_together_before_any_event():
