@@ -880,7 +880,7 @@ decide(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         n_keys = MAX_BLOCKS;
     /* One allocation: candidates (twice), their matches, the ids and the keys. */
     size_t bytes = 2 * n_workers * sizeof(Worker *) + 2 * n_workers * sizeof(Py_ssize_t)
-                   + (n_keys ? n_keys * block : 0) * sizeof(uint64_t)
+                   + n_keys * block * sizeof(uint64_t)
                    + n_keys * sizeof(uint64_t) + 8;
     char *mem = PyMem_Malloc(bytes);
     if (mem == NULL)
