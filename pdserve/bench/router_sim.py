@@ -370,18 +370,26 @@ def run_all(cfg: SimConfig, seeds: int = 1) -> dict:
               "policies": out,
               "targets": {**_targets(cfg, out), "decision_p99_le_100us": p99 <= 100}}
     if seeds > 1:
-        runs = [out] + [{name: simulate(c, t, name)[0] for name in POLICIES}
-                        for c in (replace(cfg, seed=cfg.seed + i) for i in range(1, seeds))
-                        for t in (make_trace(c),)]
+        runs = [out] + [{name: simulate(c, trace_i, name)[0] for name in POLICIES}
+                        for c, trace_i in _traces(cfg, seeds)]
         result["over_seeds"] = {
             "seeds": list(range(cfg.seed, cfg.seed + seeds)),
-            "policies": {name: {k: [min(v), statistics.median(v), max(v)]
-                                for k in out[name]
-                                for v in ([run[name][k] for run in runs],)}
+            "policies": {name: {k: _spread([run[name][k] for run in runs]) for k in out[name]}
                          for name in POLICIES},
             "targets_met_by_seed": {k: [_targets(cfg, run)[k] for run in runs]
                                     for k in result["targets"] if k != "decision_p99_le_100us"}}
     return result
+
+
+def _traces(cfg: SimConfig, seeds: int):
+    """The configs and traces of the seeds after cfg.seed."""
+    for i in range(1, seeds):
+        c = replace(cfg, seed=cfg.seed + i)
+        yield c, make_trace(c)
+
+
+def _spread(values: list[float]) -> list[float]:
+    return [min(values), statistics.median(values), max(values)]
 
 
 def _targets(cfg: SimConfig, out: dict) -> dict:
