@@ -19,7 +19,7 @@ ARG PIP_EXTRA_INDEX_URL=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/pdserve
 ENV PATH=/opt/pdserve/bin:$PATH
-# gcc builds the router's C prefix index (setup.py; without it the Python one runs).
+# gcc builds the router's C placement core (setup.py; without it the Python reference runs).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
