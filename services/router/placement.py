@@ -46,7 +46,7 @@ from pdserve.v1 import common_pb2, router_pb2
 
 from .keystore import KeyStore, block_keys, packed, unpacked
 from .prefix_index import PrefixIndex
-from .registry import PENDING_SECONDS, WorkerEntry, WorkerRegistry, name_hash
+from .registry import PENDING_SECONDS, WorkerEntry, WorkerRegistry, live, name_hash
 
 
 class NoWorkerError(Exception):
@@ -163,9 +163,7 @@ def py_decide(workers, stores, knobs, model, exclude, prompt_ids, prompt_tokens,
     exclude = exclude or ()
 
     def serving(role: int) -> list:
-        return [e for e in workers if e.role == role and e.serving
-                and now - e.last_seen <= timeout and e.worker_id not in exclude
-                and (not model or e.model == model)]
+        return live(workers, role, model, exclude, now, timeout)
 
     for e in workers:
         e.decay(now, horizon)

@@ -145,18 +145,15 @@ class WorkerRegistry:
     def serving(self, role: int, model: str = "", exclude: set[str] | frozenset = frozenset()
                 ) -> list[WorkerEntry]:
         """Live workers of `role` for `model`, minus `exclude`."""
-        now, out = self.clock(), []
-        for e in self.entries():
+        now, entries = self.clock(), self.entries()
+        for e in entries:
             # A placement counts until a report covers it, or for PENDING_SECONDS: an
             # engine reports within a tick when its load changes, so one older than that
             # has finished already (a request that starts and ends between two ticks
             # changes nothing) or its worker's reports stalled. Either way it must not
             # keep the worker out of placement.
             e.decay(now, PENDING_SECONDS)
-            if (e.role == role and self._alive(e, now) and e.worker_id not in exclude
-                    and (not model or e.model == model)):
-                out.append(e)
-        return out
+        return live(entries, role, model, exclude, now, self.timeout)
 
     def snapshot(self) -> list[router_pb2.WorkerInfo]:
         """Every worker with `serving` set from its heartbeat.
@@ -178,7 +175,19 @@ class WorkerRegistry:
         return sorted(out, key=lambda w: (w.role, w.worker_id))
 
     def _alive(self, entry: WorkerEntry, now: float) -> bool:
-        return entry.serving and now - entry.last_seen <= self.timeout
+        return alive(entry, now, self.timeout)
+
+
+def alive(entry, now: float, timeout: float) -> bool:
+    """Serving, and heard from within `timeout` of `now`."""
+    return entry.serving and now - entry.last_seen <= timeout
+
+
+def live(entries, role: int, model: str, exclude, now: float, timeout: float) -> list:
+    """The live entries (`alive`) of `role` that serve `model` (any model if empty) and
+    are not in `exclude`."""
+    return [e for e in entries if e.role == role and alive(e, now, timeout)
+            and e.worker_id not in exclude and (not model or e.model == model)]
 
 
 ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_DECODE: "decode"}
