@@ -24,7 +24,9 @@ current and tells the router when requests finish. A worker whose feed has not
 sent a load record (no events published: UNIMPLEMENTED, or not yet) has its load
 read with `GetLoads` once per round.
 A feed that breaks (UNAVAILABLE) takes its worker out of the registry at once:
-a dead worker stops being offered within milliseconds, not a heartbeat timeout.
+a dead worker stops being offered within milliseconds, not a heartbeat timeout,
+and the next round runs at once (a named worker that is still up is back as soon
+as it answers its probe).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from .registry import ROLE_NAMES, WorkerEntry, WorkerRegistry
 log = logging.getLogger("pdserve.router")
 
 ROLES = {name: role for role, name in ROLE_NAMES.items()}
+MIN_ROUND_SECONDS = 0.2         # the least time between two rounds' starts
 
 
 class EngineProbes:
@@ -80,13 +83,18 @@ class EngineProbes:
         self._wake.set()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            began = loop.time()
             self._wake.clear()
             await self.round()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval)
             except asyncio.TimeoutError:
                 pass
+            # Woken rounds are spaced too: a feed that breaks as soon as it opens on a
+            # worker that answers its probe must not spin the loop.
+            await asyncio.sleep(max(0.0, began + MIN_ROUND_SECONDS - loop.time()))
 
     async def round(self) -> None:
         """Probe every static worker; follow every live worker's events (or read its load)."""
@@ -129,6 +137,11 @@ class EngineProbes:
                 # is still alive registers again with its next heartbeat.
                 if self.registry.deregister(wid):
                     log.warning("worker gone: %s (its KV-event stream broke)", wid)
+                # The next round runs now, not an interval later: a named worker whose
+                # connection alone broke (a proxy dropped it, it restarted in place)
+                # answers its probe and serves again within milliseconds; until then
+                # requests find no worker there.
+                self.wake()
             else:
                 log.warning("KV events of %s ended: %s", wid, e.code().name)
         finally:

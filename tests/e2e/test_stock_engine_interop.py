@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -61,6 +62,10 @@ def _stock_engine(model_dir, role: str, core: int, side_channel: int) -> tuple[P
 
 def _events_path(port: int) -> str:
     return f"{tempfile.gettempdir()}/pdserve-test-kv-events-{port}"
+
+
+def _logs(procs: list[Proc], last: int) -> str:
+    return "\n".join(f"[{p.name}] {line}" for p in procs for line in p.lines[-last:])
 
 
 def _stop(procs: list[Proc], addrs: list[str]) -> None:
@@ -128,14 +133,16 @@ def test_pdserve_edge_over_stock_engines_equals_single_engine(stock_cluster, mod
         # suite's own stack: a request can take a while on a 2-core box.
         r = urllib.request.urlopen(req, timeout=300)
     except TimeoutError:
-        logs = "\n".join(line for p in procs for line in p.lines[-25:])
-        pytest.fail(f"no answer in 300 s; engines, router and edge log:\n{logs}")
+        pytest.fail(f"no answer in 300 s; engines, router and edge log:\n{_logs(procs, 25)}")
+    except urllib.error.HTTPError as e:
+        pytest.fail(f"HTTP {e.code}: {e.read().decode(errors='replace')}\n"
+                    f"engines, router and edge log:\n{_logs(procs, 40)}")
     with r:
         body = json.loads(r.read())
         if r.headers["x-pdserve-path"] != "disaggregated":
-            logs = "\n".join(line for p in procs[2:] for line in p.lines[-30:])
             pytest.fail(f"path {r.headers['x-pdserve-path']} "
-                        f"({r.headers['x-pdserve-placement']}); router and edge log:\n{logs}")
+                        f"({r.headers['x-pdserve-placement']}); router and edge log:\n"
+                        f"{_logs(procs[2:], 30)}")
     choice = body["choices"][0]
     text = choice["message"]["content"] if case.kind == "chat" else choice["text"]
     assert text == reference[case.name]["text"]

@@ -16,7 +16,7 @@ from services.router.placement import Policy, place
 from services.router.registry import WorkerRegistry
 from services.router.server import RouterService
 from services.router.keystore import block_keys
-from services.router.probes import EngineProbes
+from services.router.probes import MIN_ROUND_SECONDS, EngineProbes
 
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
 
@@ -320,6 +320,59 @@ async def test_a_worker_whose_event_stream_breaks_is_dropped_at_once():
                 break
             await asyncio.sleep(0.02)
         assert registry.serving(DECODE, "m") == []
+
+
+class DroppingEngine(FakeEngine):
+    """Answers its probes but ends every KV-event stream at once with UNAVAILABLE (a
+    connection that broke while the engine stayed up), or only the first `drops`."""
+
+    def __init__(self, drops: int | None = None):
+        super().__init__()
+        self.drops, self.subscribed = drops, 0
+
+    async def SubscribeKvEvents(self, request, context):
+        self.subscribed += 1
+        if self.drops is None or self.subscribed <= self.drops:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+        await asyncio.sleep(30)
+        yield common_pb2_smg.KvEventBatch()
+
+
+async def _started(engine, registry: WorkerRegistry) -> tuple[Server, EngineProbes]:
+    server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.
+                    add_VllmEngineServicer_to_server(engine, s), [])
+    await server.start()
+    probes = EngineProbes(registry, [("decode", f"127.0.0.1:{server.port}")], interval=600.0)
+    probes.start()
+    return server, probes
+
+
+async def test_a_named_worker_whose_stream_alone_broke_is_back_at_once():
+    """The broken stream drops the worker; it is probed again at once, not at the next
+    round (10 minutes here), and serves again while its new stream stays open."""
+    engine, registry = DroppingEngine(drops=1), WorkerRegistry(timeout=600.0)
+    server, probes = await _started(engine, registry)
+    try:
+        for _ in range(100):
+            if engine.subscribed == 2 and registry.serving(DECODE, "m"):
+                break
+            await asyncio.sleep(0.02)
+        assert engine.subscribed == 2 and len(registry.serving(DECODE, "m")) == 1
+    finally:
+        await probes.stop()
+        await server.stop(0)
+
+
+async def test_a_stream_that_always_breaks_is_reopened_at_a_bounded_rate():
+    engine = DroppingEngine()
+    server, probes = await _started(engine, WorkerRegistry(timeout=600.0))
+    try:
+        await asyncio.sleep(1.0)
+        # One round per MIN_ROUND_SECONDS (0.2 s) at most: about 5, never a spin.
+        assert 2 <= engine.subscribed <= 1.0 / MIN_ROUND_SECONDS + 2
+    finally:
+        await probes.stop()
+        await server.stop(0)
 
 
 class QuietEngine(FakeEngine):
