@@ -207,12 +207,13 @@ def _router(argv: list[str]) -> int:
     if a.json:
         print(json.dumps(result))
         return 0
-    keys = ["hit_rate", "max_over_mean_load", "moved_fraction_on_leave", "min_worker_share"]
+    keys = ["hit_rate", "max_over_mean_load", "moved_fraction_on_leave",
+            "moved_fraction_mean_over_leavers", "min_worker_share"]
     print(f"{result['requests']} requests, {result['sessions']} sessions, "
           f"{result['n_workers']} decode workers")
-    print(f"{'policy':<16}" + "".join(f"{k:>26}" for k in keys))
+    print(f"{'policy':<16}" + "".join(f"{k:>34}" for k in keys))
     for name, r in result["policies"].items():
-        print(f"{name:<16}" + "".join(f"{r[k]:>26}" for k in keys))
+        print(f"{name:<16}" + "".join(f"{r[k]:>34}" for k in keys))
     print(f"decision p99: {result['decision_p99_us']} us at 1,000/s "
           f"({result['decision_p99_us_back_to_back']} us back to back)")
     for k, v in result["targets"].items():
@@ -221,7 +222,7 @@ def _router(argv: list[str]) -> int:
         over = result["over_seeds"]
         print(f"over seeds {over['seeds']} (min / median / max):")
         for name, figures in over["policies"].items():
-            print(f"{name:<16}" + "".join(f"{' / '.join(f'{x:g}' for x in figures[k]):>26}"
+            print(f"{name:<16}" + "".join(f"{' / '.join(f'{x:g}' for x in figures[k]):>34}"
                                           for k in keys))
         for k, met in over["targets_met_by_seed"].items():
             print(f"  target {k}: met on {sum(met)} of {len(met)} seeds")

@@ -27,6 +27,15 @@ def test_bench_router_json_compares_policies_on_one_trace():
         "moved_fraction_on_leave"]
     # The load bound holds where plain consistent hashing piles up.
     assert p["pdserve"]["max_over_mean_load"] <= 1.35
+    for name, f in p.items():
+        # w0 leaving first is one of the N choices the mean and the worst are over
+        assert (f["moved_fraction_mean_over_leavers"] <= f["moved_fraction_worst_leaver"]
+                and f["moved_fraction_on_leave"] <= f["moved_fraction_worst_leaver"]), name
+        assert f["moved_off_kv_fraction_on_leave"] <= f["moved_fraction_on_leave"], name
+    # Unbounded consistent hashing moves only the sessions of the worker that left.
+    ch = p["consistent_hash"]
+    assert ch["moved_off_kv_fraction_on_leave"] == ch["moved_fraction_on_leave"] > 0
+    assert "moved_mean_over_leavers_le_1.1_over_n" in result["targets"]
 
 
 def test_bench_router_summarises_several_seeds():
