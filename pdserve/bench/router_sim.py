@@ -23,10 +23,11 @@ windows that end before the last session begins, the trace's wind-down left out)
 `moved_fraction_on_leave` (sessions active when a worker left whose next turn
 went to another worker than their previous one, over all such sessions; w0 leaves,
 then w1), `moved_fraction_mean_over_leavers` and `moved_fraction_worst_leaver` (the
-same over each choice of the worker that leaves first), `moved_off_kv_fraction_on_leave`
-(of those moves, the ones off KV the session still had: its worker left, or held
-more of its prompt than the one it went to), `min_worker_share` (over those same windows, the least-used worker's requests
-per window over the mean worker's).
+same over each choice of the worker that leaves first),
+`moved_off_kv_fraction_on_leave` (of those moves, the ones off KV the session still
+had: its worker left, or held more of its prompt than the one it went to),
+`min_worker_share` (over those same windows, the least-used worker's requests per
+window over the mean worker's).
 """
 from __future__ import annotations
 
@@ -402,8 +403,8 @@ def _with_every_leaver(cfg: SimConfig, trace: list[Turn], policy: str
     over the N choices is the expected fraction, and the worst shows the spread."""
     out, router = simulate(cfg, trace, policy)
     moved = [out["moved_fraction_on_leave"]] + [
-        simulate(replace(cfg, leaver=i), trace, policy)[0]["moved_fraction_on_leave"]
-        for i in range(1, cfg.workers)]
+        simulate(replace(cfg, leaver=(cfg.leaver + i) % cfg.workers), trace, policy)[0][
+            "moved_fraction_on_leave"] for i in range(1, cfg.workers)]
     out["moved_fraction_mean_over_leavers"] = round(statistics.mean(moved), 4)
     out["moved_fraction_worst_leaver"] = max(moved)
     return out, router
