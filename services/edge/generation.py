@@ -420,7 +420,7 @@ class GenerationStream:
         except TimeoutError:
             raise deadline_passed() from None
         rid = f"{self.gen.request_id}-p{len(self.preemptions) + 1}"
-        await self._next_leg(rid, set())
+        await self._next_leg(rid, set)
         self.preemptions.append((time.perf_counter() - began) * 1000)
         log.info("request %s: preempted after %d tokens on %s, went on on %s after %.0f ms",
                  self.gen.request_id, len(self.output_ids), old.worker_id,
@@ -482,21 +482,24 @@ class GenerationStream:
         log.warning("request %s: decode worker %s failed after %d tokens (%s); moving it",
                     self.gen.request_id, old.worker_id, len(self.output_ids), failure)
         await self._next_leg(f"{self.gen.request_id}-m{len(self.migrations) + 1}",
-                             self._excluded())
+                             self._excluded)
         self.migrations.append((time.perf_counter() - began) * 1000)
         log.info("request %s: moved from %s to %s in %.0f ms", self.gen.request_id,
                  old.worker_id, self.leg.worker_id, self.migrations[-1])
 
-    async def _next_leg(self, request_id: str, exclude: set[str]) -> None:
+    async def _next_leg(self, request_id: str, excluded: Callable[[], set[str]]) -> None:
         """Place the rest of the generation (its prompt plus every token sent) as a
-        new leg, waiting a while for a decode worker to serve if none does."""
+        new leg, waiting a while for a decode worker to serve if none does. The
+        workers to avoid are asked again at each try: one excluded for failing this
+        generation is welcome again once its window has passed (the only decode
+        worker of a small pool, which stalled for a moment, takes the rest then)."""
         wait_until = time.monotonic() + min(self.resilience.place_wait_seconds,
                                             self.gen.remaining())
         prompt = self.gen.prompt_token_ids + self.output_ids
         while True:
             try:
                 with telemetry.current(self.span):
-                    self.leg, _ = await self.place(self.gen, request_id, prompt, exclude)
+                    self.leg, _ = await self.place(self.gen, request_id, prompt, excluded())
                 return
             except APIError as e:
                 if e.status != 503 or time.monotonic() >= wait_until:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 import aiohttp
 import pytest
 
+from services.edge.app import ORCH
 from support import parse_sse
 from synthetic_stack import edge_stack
 
@@ -103,6 +105,30 @@ async def test_a_stalled_decode_worker_is_left_within_its_deadline(model_dir, de
         # The frozen worker was told to drop the request, not left holding it.
         assert not stack.engines[frozen][0].running
         assert _migrations(stack) == 1
+
+
+async def test_the_only_decode_worker_takes_the_rest_once_its_exclusion_passes(
+        model_dir, decode_calls):
+    """A pool of one: the worker stalls for a moment, the generation is moved off it and
+    waits; once the failed worker's exclusion window has passed it is placed there again
+    (before, the exclusion was fixed when the wait began, and the stream failed when the
+    wait ran out)."""
+    async with edge_stack(model_dir, decode_calls=decode_calls,
+                          rate=50.0, engines=1, decode_stall_seconds=0.5) as stack:
+        orchestrator = stack.app[ORCH]
+        orchestrator.resilience = replace(orchestrator.resilience, exclude_seconds=1.0,
+                                          place_wait_seconds=8.0)
+
+        async def hiccup(i):
+            stack.engines[i][0].freeze()
+            asyncio.get_running_loop().call_later(0.8, stack.engines[i][0].thaw)
+        events, _, at = await _stream_with_fault(stack, hiccup)
+        _check_whole(events)
+        after = [t for _, _, t in events if t > at]
+        # stalled at 0.5 s, excluded until 1.0 s after that: back on it well before 8 s
+        assert 1.2 < after[0] - at < 4.0, f"{after[0] - at:.2f} s to continue"
+        assert _migrations(stack) == 1
+        assert len(stack.engine.requests) == 2      # the first leg, then the rest, one worker
 
 
 async def test_moves_are_bounded(model_dir, decode_calls):
