@@ -12,8 +12,14 @@ the current record at once: a `load_only` batch repeating the last batch's
 sequence number and record sample, as the relay's own heartbeat does between
 batches. By then the engine's figures already leave the request out (the step
 that finished it is the one whose output ended the call). Before the first
-batch nothing is sent (there is no sequence to repeat), and nothing when the
-figures have not moved.
+batch nothing is sent (there is no sequence to repeat).
+
+It is sent even when the figures read as before: a request that started and
+ended between two of the relay's checks moved nothing it would see, and the end
+is still news to a router, which counts each placement on its worker until a
+record covers it (services/router/registry.py). Without it such a placement
+counted for its full second: a pool fed short requests one after another, all
+ended, read one worker busy and sent every next session to the other.
 """
 from __future__ import annotations
 
@@ -23,7 +29,6 @@ import time
 from typing import AsyncIterator, Callable
 
 from smg_grpc_proto.generated import common_pb2
-from smg_grpc_servicer.load_record import load_changed
 
 
 class LoadNudges:
@@ -39,8 +44,8 @@ class LoadNudges:
     async def stream(self, batches: AsyncIterator[common_pb2.KvEventBatch],
                      record: Callable[[int | None], common_pb2.EngineLoad | None]
                      ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        """`batches` (the relay's), with a load-only batch after each nudge whose
-        record (`record(rank)`, the servicer's load source) moved."""
+        """`batches` (the relay's), with a load-only batch after each nudge, its
+        record from `record(rank)` (the servicer's load source)."""
         nudged = asyncio.Event()
         self._streams.add(nudged)
         batches = aiter(batches)
@@ -76,12 +81,12 @@ class LoadNudges:
 
 
 def _load_only(last, record) -> common_pb2.KvEventBatch | None:
-    """A load-only batch with the current record, if it moved since `last`'s."""
+    """A load-only batch with the current record (None before the first batch)."""
     if last is None:
         return None
     rank = last.dp_rank if last.HasField("dp_rank") else None
     current = record(rank)
-    if current is None or not load_changed(last.load, current):
+    if current is None:
         return None
     batch = common_pb2.KvEventBatch(sequence_number=last.sequence_number,
                                     timestamp=time.time())
