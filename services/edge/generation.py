@@ -420,7 +420,7 @@ class GenerationStream:
         except TimeoutError:
             raise deadline_passed() from None
         rid = f"{self.gen.request_id}-p{len(self.preemptions) + 1}"
-        await self._next_leg(rid, set)
+        await self._next_leg(rid, set)         # no worker to avoid: it failed nothing
         self.preemptions.append((time.perf_counter() - began) * 1000)
         log.info("request %s: preempted after %d tokens on %s, went on on %s after %.0f ms",
                  self.gen.request_id, len(self.output_ids), old.worker_id,
