@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -156,11 +157,17 @@ class FakeEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
             num_running_reqs=self.running, num_waiting_reqs=self.waiting)])
 
 
+async def _engine_server(engine, names: Sequence[str] = (), port: int = 0) -> Server:
+    """`engine` serving vLLM's engine protocol on loopback (`names` in its health), started."""
+    server = Server("127.0.0.1", port, lambda s: vllm_engine_pb2_grpc.
+                    add_VllmEngineServicer_to_server(engine, s), list(names))
+    await server.start()
+    return server
+
+
 async def test_static_workers_are_probed_into_the_registry_and_age_out():
     engine = FakeEngine()
-    server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-        engine, s), ["vllm.grpc.engine.VllmEngine"])
-    await server.start()
+    server = await _engine_server(engine, ["vllm.grpc.engine.VllmEngine"])
     clock = FakeClock()
     registry = WorkerRegistry(timeout=6.0, clock=clock)
     address = f"127.0.0.1:{server.port}"
@@ -188,12 +195,8 @@ async def test_a_static_decode_worker_says_by_health_whether_it_goes_on_after_a_
     """pdserve's pull decode workers answer SERVING for CONTINUES_PREFILL; a stock
     engine knows no such name: only the first is offered the prefill's token."""
     from transfer.connector import CONTINUES_PREFILL
-    servers = [Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.
-                      add_VllmEngineServicer_to_server(FakeEngine(), s),
-                      ["vllm.grpc.engine.VllmEngine", *names])
+    servers = [await _engine_server(FakeEngine(), ["vllm.grpc.engine.VllmEngine", *names])
                for names in ([CONTINUES_PREFILL], [])]
-    for server in servers:
-        await server.start()
     registry = WorkerRegistry(timeout=6.0)
     addresses = [f"127.0.0.1:{server.port}" for server in servers]
     static = EngineProbes(registry, [("decode", a) for a in addresses], interval=600.0)
@@ -207,10 +210,7 @@ async def test_a_static_decode_worker_says_by_health_whether_it_goes_on_after_a_
         port = servers[0].port
         await servers[0].stop(0)
         assert not await static.probe("decode", addresses[0])
-        servers[0] = Server("127.0.0.1", port, lambda s: vllm_engine_pb2_grpc.
-                            add_VllmEngineServicer_to_server(FakeEngine(), s),
-                            ["vllm.grpc.engine.VllmEngine"])
-        await servers[0].start()
+        servers[0] = await _engine_server(FakeEngine(), ["vllm.grpc.engine.VllmEngine"], port)
         for _ in range(50):                 # the channel reconnects after its backoff
             if await static.probe("decode", addresses[0]):
                 break
@@ -232,10 +232,7 @@ def test_static_worker_addresses_are_checked():
 
 async def test_placement_prefers_the_engine_with_fewer_requests_by_getloads():
     engines = [FakeEngine(), FakeEngine()]
-    servers = [Server("127.0.0.1", 0, lambda s, e=e: vllm_engine_pb2_grpc.
-                      add_VllmEngineServicer_to_server(e, s), []) for e in engines]
-    for server in servers:
-        await server.start()
+    servers = [await _engine_server(e) for e in engines]
     registry = WorkerRegistry(timeout=6.0)
     static = [("decode", f"127.0.0.1:{s.port}") for s in servers]
     probes = EngineProbes(registry, static, interval=2.0)
@@ -278,10 +275,7 @@ class EventingEngine(FakeEngine):
 async def _followed(engines, registry_timeout: float):
     """Engines probed and followed until the router knows their block size (from their
     first published blocks, or their server info): (servers, registry, probes)."""
-    servers = [Server("127.0.0.1", 0, lambda s, e=e: vllm_engine_pb2_grpc.
-                      add_VllmEngineServicer_to_server(e, s), []) for e in engines]
-    for server in servers:
-        await server.start()
+    servers = [await _engine_server(e) for e in engines]
     registry = WorkerRegistry(timeout=registry_timeout)
     probes = EngineProbes(registry, [("decode", f"127.0.0.1:{s.port}") for s in servers],
                           interval=600.0)
@@ -339,9 +333,7 @@ class DroppingEngine(FakeEngine):
 
 
 async def _started(engine, registry: WorkerRegistry) -> tuple[Server, EngineProbes]:
-    server = Server("127.0.0.1", 0, lambda s: vllm_engine_pb2_grpc.
-                    add_VllmEngineServicer_to_server(engine, s), [])
-    await server.start()
+    server = await _engine_server(engine)
     probes = EngineProbes(registry, [("decode", f"127.0.0.1:{server.port}")], interval=600.0)
     probes.start()
     return server, probes
@@ -411,10 +403,7 @@ async def test_two_router_replicas_fed_the_same_reports_decide_alike():
     published = {"a": list(range(40, 72)), "b": list(range(200, 232))}
     servers = {}
     for name, tokens in published.items():
-        servers[name] = Server("127.0.0.1", 0, lambda s, t=tokens:
-                               vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-                                   EventingEngine(t), s), [])
-        await servers[name].start()
+        servers[name] = await _engine_server(EventingEngine(tokens))
     static = [("decode", f"127.0.0.1:{s.port}") for s in servers.values()]
     replicas = [EngineProbes(WorkerRegistry(timeout=60.0), static, interval=600.0)
                 for _ in range(2)]
