@@ -124,7 +124,10 @@ class EngineProbes:
                 if batch.HasField("load"):
                     entry.reported(batch.load.running_requests + batch.load.waiting_requests,
                                    batch.load.max_running_requests, batch.load.token_usage)
-                    entry.load_pushed = True
+                    # Once the publisher has sent a batch, records come at every change;
+                    # before it (load-only, numbered 0) only as requests end: polled still.
+                    if batch.events or batch.sequence_number or not batch.load.load_only:
+                        entry.load_pushed = True
                 for event in batch.events:
                     self._apply(wid, event)
         except grpc.aio.AioRpcError as e:

@@ -132,8 +132,9 @@ class WorkerEngineServicer(VllmEngineServicer):
     async def SubscribeKvEvents(self, request, context):
         """The servicer's relay of the engine's KV events and load records, plus a
         record as soon as a request ends (load_push.py)."""
-        async for batch in self.load_nudges.stream(super().SubscribeKvEvents(request, context),
-                                                   self._load_record):
+        async for batch in self.load_nudges.stream(
+                super().SubscribeKvEvents(request, context), self._load_record,
+                before_first=request.load_records_before_first_batch):
             yield batch
 
     async def HealthCheck(self, request, context):

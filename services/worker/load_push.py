@@ -11,8 +11,10 @@ So each subscriber gets a nudge when a Generate call ends, and the stream sends
 the current record at once: a `load_only` batch repeating the last batch's
 sequence number and record sample, as the relay's own heartbeat does between
 batches. By then the engine's figures already leave the request out (the step
-that finished it is the one whose output ended the call). Before the first
-batch nothing is sent (there is no sequence to repeat).
+that finished it is the one whose output ended the call). Before the publisher's
+first batch there is no sequence to repeat: a subscriber that asks for records
+then (`load_records_before_first_batch`, as pdserve's router does) gets them
+numbered 0, as the protocol has it; any other gets nothing until that batch.
 
 It is sent even when the figures read as before: a request that started and
 ended between two of the relay's checks moved nothing it would see, and the end
@@ -42,10 +44,11 @@ class LoadNudges:
             event.set()
 
     async def stream(self, batches: AsyncIterator[common_pb2.KvEventBatch],
-                     record: Callable[[int | None], common_pb2.EngineLoad | None]
-                     ) -> AsyncIterator[common_pb2.KvEventBatch]:
+                     record: Callable[[int | None], common_pb2.EngineLoad | None],
+                     before_first: bool = False) -> AsyncIterator[common_pb2.KvEventBatch]:
         """`batches` (the relay's), with a load-only batch after each nudge, its
-        record from `record(rank)` (the servicer's load source)."""
+        record from `record(rank)` (the servicer's load source); `before_first`:
+        the subscriber takes them before the relay's first batch too."""
         nudged = asyncio.Event()
         self._streams.add(nudged)
         batches = aiter(batches)
@@ -67,7 +70,7 @@ class LoadNudges:
                 if nudge.done():
                     nudged.clear()
                     nudge = asyncio.ensure_future(nudged.wait())
-                    extra = _load_only(last, record)
+                    extra = _load_only(last, record, before_first)
                     if extra is not None:
                         last = extra
                         yield extra
@@ -80,19 +83,21 @@ class LoadNudges:
                 await batches.aclose()
 
 
-def _load_only(last, record) -> common_pb2.KvEventBatch | None:
-    """A load-only batch with the current record (None before the first batch)."""
-    if last is None:
+def _load_only(last, record, before_first: bool) -> common_pb2.KvEventBatch | None:
+    """A load-only batch with the current record, repeating `last`'s sequence and
+    sample; before any batch (`last` None) one numbered 0 if `before_first`, else None."""
+    if last is None and not before_first:
         return None
-    rank = last.dp_rank if last.HasField("dp_rank") else None
+    rank = last.dp_rank if last is not None and last.HasField("dp_rank") else None
     current = record(rank)
     if current is None:
         return None
-    batch = common_pb2.KvEventBatch(sequence_number=last.sequence_number,
+    batch = common_pb2.KvEventBatch(sequence_number=last.sequence_number if last else 0,
                                     timestamp=time.time())
     if rank is not None:
         batch.dp_rank = rank
     batch.load.CopyFrom(current)
-    batch.load.sample = last.load.sample
+    if last is not None:
+        batch.load.sample = last.load.sample
     batch.load.load_only = True
     return batch

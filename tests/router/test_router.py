@@ -316,6 +316,29 @@ async def test_a_worker_whose_event_stream_breaks_is_dropped_at_once():
         assert registry.serving(DECODE, "m") == []
 
 
+class EarlyRecordEngine(FakeEngine):
+    """Sends one load record before its publisher's first batch (load-only, numbered 0,
+    as `load_records_before_first_batch` asks), and nothing else."""
+
+    async def SubscribeKvEvents(self, request, context):
+        assert request.load_records_before_first_batch
+        yield common_pb2_smg.KvEventBatch(sequence_number=0, load=common_pb2_smg.EngineLoad(
+            running_requests=2, load_only=True))
+        await asyncio.sleep(30)
+
+
+async def test_a_record_before_the_first_batch_counts_but_the_load_is_still_polled():
+    async with _followed([EarlyRecordEngine()], registry_timeout=6.0) as (_, registry, _p):
+        for _ in range(50):
+            [entry] = registry.serving(DECODE, "m")
+            if entry.load == 2:
+                break
+            await asyncio.sleep(0.02)
+        # Its placements are covered, but only request ends come this way until the
+        # publisher's first batch: GetLoads still reads its load each round.
+        assert entry.load == 2 and not entry.load_pushed
+
+
 class DroppingEngine(FakeEngine):
     """Answers its probes but ends every KV-event stream at once with UNAVAILABLE (a
     connection that broke while the engine stayed up), or only the first `drops`."""

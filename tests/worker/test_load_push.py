@@ -52,3 +52,36 @@ async def test_a_request_that_ends_sends_the_load_at_once():
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+
+
+async def test_a_subscriber_that_asks_gets_records_before_the_first_batch_numbered_0():
+    """`load_records_before_first_batch`: a request that ends before the publisher's
+    first batch (a short prompt fills no block: no event) still reaches the router."""
+    async def batches():
+        await asyncio.sleep(30)
+        yield common_pb2.KvEventBatch()
+
+    for before_first in (True, False):
+        nudges = LoadNudges()
+        stream = nudges.stream(batches(), lambda rank: common_pb2.EngineLoad(
+            running_requests=0, max_running_requests=4), before_first=before_first)
+        got: asyncio.Queue = asyncio.Queue()
+
+        async def read():
+            async for batch in stream:
+                got.put_nowait(batch)
+
+        reader = asyncio.create_task(read())
+        try:
+            await asyncio.sleep(0.01)
+            nudges.ended()
+            await asyncio.sleep(0.05)
+            if before_first:
+                first = got.get_nowait()
+                assert first.sequence_number == 0 and first.load.load_only
+                assert first.load.max_running_requests == 4 and not first.events
+            else:
+                assert got.empty()
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
