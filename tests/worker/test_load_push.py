@@ -4,6 +4,7 @@ figures read as before (the end itself tells the router its placement is over)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from smg_grpc_proto.generated import common_pb2
 
@@ -21,17 +22,10 @@ async def test_a_request_that_ends_sends_the_load_at_once():
     nudges = LoadNudges()
     stream = nudges.stream(batches(), lambda rank: common_pb2.EngineLoad(
         running_requests=running["now"], max_running_requests=4))
-    got: asyncio.Queue = asyncio.Queue()
-
-    async def read():
-        async for batch in stream:
-            got.put_nowait(batch)
-
-    reader = asyncio.create_task(read())
-    try:
+    async with _reading(stream) as got:
         await asyncio.sleep(0.01)
         running["now"] = 1
-        nudges.ended()                   # before any batch: no sequence to repeat, nothing
+        nudges.ended()                   # before any batch, not asked for: nothing
         await asyncio.sleep(0.01)
         assert got.empty()
         relayed.put_nowait(common_pb2.KvEventBatch(
@@ -49,9 +43,6 @@ async def test_a_request_that_ends_sends_the_load_at_once():
         assert extra.load.running_requests == 0 and extra.load.max_running_requests == 4
         relayed.put_nowait(common_pb2.KvEventBatch(sequence_number=8))
         assert (await asyncio.wait_for(got.get(), 1)).sequence_number == 8   # relayed on
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
 
 
 async def test_a_subscriber_that_asks_gets_records_before_the_first_batch_numbered_0():
@@ -65,14 +56,7 @@ async def test_a_subscriber_that_asks_gets_records_before_the_first_batch_number
         nudges = LoadNudges()
         stream = nudges.stream(batches(), lambda rank: common_pb2.EngineLoad(
             running_requests=0, max_running_requests=4), before_first=before_first)
-        got: asyncio.Queue = asyncio.Queue()
-
-        async def read():
-            async for batch in stream:
-                got.put_nowait(batch)
-
-        reader = asyncio.create_task(read())
-        try:
+        async with _reading(stream) as got:
             await asyncio.sleep(0.01)
             nudges.ended()
             await asyncio.sleep(0.05)
@@ -82,6 +66,20 @@ async def test_a_subscriber_that_asks_gets_records_before_the_first_batch_number
                 assert first.load.max_running_requests == 4 and not first.events
             else:
                 assert got.empty()
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def _reading(stream):
+    """A queue that `stream`'s batches land in while the block runs."""
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def read():
+        async for batch in stream:
+            got.put_nowait(batch)
+
+    reader = asyncio.create_task(read())
+    try:
+        yield got
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
