@@ -19,7 +19,8 @@ ARG PIP_EXTRA_INDEX_URL=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/pdserve
 ENV PATH=/opt/pdserve/bin:$PATH
-# gcc builds the router's C placement core (setup.py; without it the Python reference runs).
+# gcc builds the C parts (setup.py: the router's placement core, the edge's byte-level
+# detokenizer; without it the Python reference and the tokenizer's DecodeStream run).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src

@@ -24,9 +24,10 @@ ifeq ($(EXTRAS),cpu)
 endif
 	touch $(STAMP)
 
-# The router's C placement core (setup.py), rebuilt in place when its source changes;
-# without a compiler the router runs the Python reference.
-$(NATIVE): $(STAMP) services/router/_placement.c
+# The C parts (setup.py: the router's placement core, the edge's byte-level detokenizer),
+# rebuilt in place when their source changes; without a compiler the router runs the
+# Python reference and the edge the tokenizer's DecodeStream.
+$(NATIVE): $(STAMP) services/router/_placement.c services/edge/_bytetext.c
 	$(PY) setup.py -q build_ext --inplace
 	touch $(NATIVE)
 

@@ -53,6 +53,22 @@ def plain_frame(batch: list[Event]) -> bytes:
     return "".join([f"data: {e.data}\n\n" for e in batch]).encode()
 
 
+def chunked_events(seq: int, data: list[str]) -> bytes:
+    """Events `seq`, `seq + 1`... as `frame` renders them, in one HTTP/1.1 chunk (the
+    pushed writer's step, once per token). Payloads are ASCII JSON (events.py)."""
+    if len(data) == 1:
+        body = b"id: %d\ndata: %s\n\n" % (seq, data[0].encode())
+    else:
+        body = "".join([f"id: {seq + i}\ndata: {d}\n\n" for i, d in enumerate(data)]).encode()
+    return b"%x\r\n%b\r\n" % (len(body), body)
+
+
+def plain_chunked_events(seq: int, data: list[str]) -> bytes:
+    """As `chunked_events`, in OpenAI's framing (`plain_frame`)."""
+    body = "".join([f"data: {d}\n\n" for d in data]).encode()
+    return b"%x\r\n%b\r\n" % (len(body), body)
+
+
 def bound_buffers(request: web.Request) -> None:
     """Cap what one slow reader can hold in memory, in the kernel and here."""
     transport = request.transport
@@ -149,6 +165,7 @@ async def pushed(request: web.Request, follower: Follower, render) -> list[Event
     its writes, from the follower's place."""
     transport = request.transport
     woken = asyncio.get_running_loop().create_future()
+    chunked = plain_chunked_events if render is plain_frame else chunked_events  # render's step
 
     def on_change() -> None:
         if woken.done():
@@ -158,11 +175,12 @@ async def pushed(request: web.Request, follower: Follower, render) -> list[Event
                 raise ConnectionResetError("the client went away")
             if transport.get_write_buffer_size():
                 woken.set_result(None)
-            elif batch := follower.take():
-                if batch[-1].data == DONE:
-                    woken.set_result(batch)
+            elif data := (taken := follower.take_data())[1]:
+                seq = taken[0]
+                if data[-1] == DONE:
+                    woken.set_result([Event(seq + i, d) for i, d in enumerate(data)])
                 else:
-                    transport.write(_chunk(render(batch)))
+                    transport.write(chunked(seq, data))
             elif follower.log.finished:
                 woken.set_result([])
             elif follower.keepalive_due() and (data := render([])):

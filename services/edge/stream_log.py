@@ -147,14 +147,14 @@ class Follower:
 
     def __init__(self, log: StreamLog, after: int, idle: float | None):
         self.log, self.after, self.idle = log, after, idle
-        self._last = 0.0                        # loop.time() the reader last got anything
+        self._last = 0.0                        # time.monotonic() it last got anything
         self._state = "new"                     # new | open | closed
         self.on_open = self.on_close = lambda: None
 
     def _open(self) -> None:
         if self._state == "new":
             self._state = "open"
-            self._last = asyncio.get_running_loop().time()
+            self._last = time.monotonic()
             log = self.log
             if self.idle is not None and log._ticker is None and not log.finished:
                 log._tick(self.idle / 2)
@@ -162,24 +162,30 @@ class Follower:
 
     def take(self) -> list[Event]:
         """The events after the reader's place, now (maybe none); moves past them."""
-        self._open()
-        log = self.log
-        if self.after < log.first_seq - 1:
+        seq, data = self.take_data()
+        return [Event(seq + i, d) for i, d in enumerate(data)]
+
+    def take_data(self) -> tuple[int, list[str]]:
+        """As `take()`, without an Event per event (the socket writer's step, once per
+        token): the seq of the first event, and the events' data."""
+        if self._state == "new":
+            self._open()
+        log, after = self.log, self.after
+        if after < log.first_seq - 1:
             raise EventsGone(f"fell behind: events up to {log.first_seq - 1} are gone")
-        start = self.after - log.first_seq + 1
+        start = after - log.first_seq + 1
         if start >= len(log.events):
-            return []
-        seq = self.after
-        batch = [Event(seq + i, d) for i, d in enumerate(log.events[start:], 1)]
-        self.after = batch[-1].seq
-        self._last = asyncio.get_running_loop().time()
-        return batch
+            return after + 1, []
+        data = log.events[start:]
+        self.after = after + len(data)
+        self._last = time.monotonic()
+        return after + 1, data
 
     def keepalive_due(self) -> bool:
         """Whether the reader has been quiet for `idle` (it then counts as fed)."""
         if self.idle is None:
             return False
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         if now - self._last < self.idle:
             return False
         self._last = now

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from services.edge.events import payload
-from services.edge.sse import frame, plain_frame
+from services.edge.sse import chunked_events, frame, plain_chunked_events, plain_frame
 from services.edge.stream_log import Event
 from services.edge.openai_protocol import (
     APIError,
@@ -640,6 +640,15 @@ def test_sse_frames(data, seq, expected):
     event = Event(seq, data if isinstance(data, str) else payload(data))
     assert frame([event]) == expected
     assert plain_frame([event]) == expected.split(b"\n", 1)[1]       # no id: line
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_the_pushed_writers_chunks_hold_the_same_frames(count):
+    data = [payload({"t": f"é{i}\n"}) for i in range(count)]
+    events = [Event(7 + i, d) for i, d in enumerate(data)]
+    for chunked, render in ((chunked_events, frame), (plain_chunked_events, plain_frame)):
+        body = render(events)
+        assert chunked(7, data) == b"%x\r\n" % len(body) + body + b"\r\n"
 
 
 def test_sse_frame_round_trips_a_chunk():
