@@ -23,6 +23,7 @@ import uuid
 
 from aiohttp import web
 
+from services.edge.detokenizer import byte_level_alphabet
 from services.worker.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server, stamp_text
 
 log = logging.getLogger("pdserve.bench.edge_source")
@@ -30,15 +31,37 @@ log = logging.getLogger("pdserve.bench.edge_source")
 
 class StampEngine(SyntheticEngine):
     """`SyntheticEngine` spelling its stamps with the Rust tokenizer directly: the
-    same ids, a third of the CPU (the source should cost the paths little)."""
+    same ids, a third of the CPU (the source should cost the paths little). For a
+    byte-level BPE it asks the model for the stamp's one word (a quarter of `encode`'s
+    CPU again, ~1.6 against 5.9 us: the HTTP face spells nothing), once it has given
+    `encode`'s ids for a sample of stamps."""
 
     def __init__(self, tokenizer, served_model_name: str, rate: float):
         super().__init__(tokenizer, served_model_name, rate)
         self._rust = tokenizer._tokenizer
+        self._spell = self._word_spelling() or self._encode
         self.http_streams = 0                   # SSE streams running on the HTTP face
 
     def _ids(self) -> list[int]:
-        return self._rust.encode(stamp_text(), add_special_tokens=False).ids
+        return self._spell(stamp_text())
+
+    def _encode(self, text: str) -> list[int]:
+        return self._rust.encode(text, add_special_tokens=False).ids
+
+    def _word_spelling(self):
+        """The BPE model's ids for a stamp (one pre-tokenized word: a space and
+        digits, in the byte-level alphabet), if they are `encode`'s; else None."""
+        rust = self._rust
+        if type(rust.model).__name__ != "BPE" or type(rust.pre_tokenizer).__name__ != "ByteLevel":
+            return None
+        alphabet = {b: c for b, c in enumerate(byte_level_alphabet())}
+        tokenize = rust.model.tokenize
+
+        def spell(text: str) -> list[int]:
+            return [t.id for t in tokenize(text.translate(alphabet))]    # stamps are ASCII
+        now = time.monotonic_ns()
+        sample = [stamp_text(now + k * 7_919_000) for k in range(200)] + [" 0", " 9" * 7]
+        return spell if all(spell(t) == self._encode(t) for t in sample) else None
 
 
 ENGINE = web.AppKey("engine", StampEngine)

@@ -39,17 +39,18 @@ class StopRule:
     stop_token_ids: frozenset[int] = frozenset()
 
 
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte, as byte-level BPE vocabularies spell it."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-            *range(ord("\xae"), ord("\xff") + 1)]
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte (index), as byte-level BPE
+    vocabularies spell it."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)}
     chars = {b: chr(b) for b in keep}
-    for n, b in enumerate(b for b in range(256) if b not in chars):
+    for n, b in enumerate(b for b in range(256) if b not in keep):
         chars[b] = chr(256 + n)
-    return chars
+    return [chars[b] for b in range(256)]
 
 
-_CHAR_BYTE = {c: b for b, c in _byte_to_char().items()}
+_CHAR_BYTE = {c: b for b, c in enumerate(byte_level_alphabet())}
 _TABLES: dict[int, tuple] = {}                       # id(Rust tokenizer) -> (it, table)
 
 
@@ -118,7 +119,10 @@ class TextStream:
         if not stop_ids.isdisjoint(token_ids):      # the engine stops there: no text from it on
             token_ids = token_ids[:next(i for i, t in enumerate(token_ids) if t in stop_ids)]
         text = self._unsent + self._decode(token_ids)
-        if self._rule.stop and self._find_stop(text, len(self._unsent)):
+        if not self._rule.stop:                     # nothing held back
+            self._unsent = ""
+            return text
+        if self._find_stop(text, len(self._unsent)):
             return self._take(len(self._unsent))
         return self._take(len(text) - self._holdback, text)
 

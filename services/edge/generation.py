@@ -389,8 +389,8 @@ class GenerationStream:
             return False
         self._last_output = self.heard.at[self.leg.worker_id] = \
             asyncio.get_running_loop().time()
-        if resp.chunk.token_ids:
-            self.on_chunk(self._tokens(list(resp.chunk.token_ids)))
+        if ids := resp.chunk.token_ids:
+            self.on_chunk(self._tokens(list(ids)))
         return True
 
     def preempt(self) -> bool:

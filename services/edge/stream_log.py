@@ -74,14 +74,19 @@ class StreamLog:
         return self.finished_at is not None
 
     def append(self, data: list[str]) -> None:
-        if self.finished or not data:
+        if self.finished_at is not None or not data:
             return
-        self.events.extend(data)
-        over = len(self.events) - self.max_events
+        events = self.events
+        events.extend(data)
+        over = len(events) - self.max_events
         if over > 0:
-            del self.events[:over]
+            del events[:over]
             self.first_seq += over
-        self._wake()
+        if self._grew is not None:
+            self._wake()
+        else:                                   # once per token: no call to _wake
+            for listener in self._listeners:
+                listener()
 
     def finish(self) -> None:
         """No more events; followers drain what is there and stop."""
@@ -258,8 +263,8 @@ class MemoryStreams:
         log = self.logs[stream_id] = StreamLog(stream_id, self.max_events, self.ttl, owner)
         return log
 
-    def append(self, log: StreamLog, data: list[str]) -> None:
-        log.append(data)
+    # store.append(log, data) is log.append(data), with no call of its own between.
+    append = staticmethod(StreamLog.append)
 
     def finish(self, log: StreamLog) -> None:
         log.finish()

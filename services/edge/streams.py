@@ -88,11 +88,11 @@ class Streams:
         sid = new_stream_id()
         live = LiveStream(sid, self.store.create(sid, owner), generation)
         if step is not None:
-            store, log = self.store, live.log
+            append, log = self.store.append, live.log
 
             def on_chunk(chunk: Chunk) -> None:
                 if out := step(chunk):
-                    store.append(log, out)
+                    append(log, out)
             generation.on_chunk = on_chunk
         live.task = asyncio.create_task(self._produce(live, payloads), name=f"stream-{sid}")
         # A task cancelled before its first step never runs its body: end it here then.
