@@ -45,9 +45,11 @@ from pathlib import Path
 
 from .otlp_collector import Collector
 
+# embedded: the edge with the router in its own process (`--router embedded`: no Route call
+# to another process per request; its CPU is counted, as the edge's alone is for `edge`);
 # per_request: the edge with --decode-calls per-request (a Generate call per stream, where
 # `edge` has the default, one shared batched call to the source's worker past a few)
-PATHS = ("direct", "nginx", "edge", "traced", "per_request")
+PATHS = ("direct", "nginx", "edge", "embedded", "traced", "per_request")
 NGINX = "/usr/sbin/nginx"
 PROMPT = "hello"
 _TEXT = re.compile(rb'"text":\s*"([^"]*)"')   # a completion chunk's text
@@ -96,10 +98,11 @@ class Settings:
 
 class _Stream(asyncio.Protocol):
     """One streamed completion over one connection: HTTP/1.1 response head, chunked or
-    close-delimited body, SSE `data:` lines; records each stamp's latency (µs)."""
+    close-delimited body, SSE `data:` lines; records each stamp's latency and the stamp
+    itself (µs)."""
 
-    def __init__(self, request: bytes, lat: array, done: asyncio.Future):
-        self.request, self.lat, self.done = request, lat, done
+    def __init__(self, request: bytes, lat: array, sent: array, done: asyncio.Future):
+        self.request, self.lat, self.sent, self.done = request, lat, sent, done
         self.transport = None
         self.buf = bytearray()          # bytes not yet de-chunked
         self.body = bytearray()         # SSE text not yet split into lines
@@ -182,6 +185,7 @@ class _Stream(asyncio.Protocol):
                     self.error = self.error or "bad_stamp"
                     continue
                 self.lat.append(d)
+                self.sent.append(int(word))
                 self.tokens += 1
                 self.first = self.first or now
                 self.last = now
@@ -208,7 +212,7 @@ async def _drive(spec: dict) -> dict:
                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
     ports = spec["ports"]
-    lat, spans = [array("q") for _ in ports], [array("q") for _ in ports]
+    lat, sent, spans = ([array("q") for _ in ports] for _ in range(3))
     errors, held = [Counter() for _ in ports], [0] * len(ports)
 
     async def one(j: int) -> None:
@@ -216,7 +220,7 @@ async def _drive(spec: dict) -> dict:
         start = spec["start_at"] + j * spec["ramp"] / spec["streams"]
         await asyncio.sleep(max(0.0, start - time.monotonic()))
         done = loop.create_future()
-        s = _Stream(request, lat[k], done)
+        s = _Stream(request, lat[k], sent[k], done)
         try:
             async with asyncio.timeout(start + spec["timeout"] - time.monotonic()):
                 await loop.create_connection(lambda: s, spec["host"], ports[k])
@@ -242,18 +246,19 @@ async def _drive(spec: dict) -> dict:
     await asyncio.gather(*(one(j) for j in range(spec["index"], spec["streams"], spec["of"])))
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return {"held": held, "errors": [dict(e) for e in errors],
-            "cpu_s": ru.ru_utime + ru.ru_stime, "lat": lat, "spans": spans}
+            "cpu_s": ru.ru_utime + ru.ru_stime, "lat": lat, "sent": sent, "spans": spans}
 
 
 def client_main(spec: dict) -> None:
-    """Entry of one load-generator process: results into spec["out"] (.json, .lat, .spans)."""
+    """Entry of one load-generator process: results into spec["out"] (.json, .lat, .sent,
+    .spans)."""
     import uvloop
     raise_nofile()
     res = uvloop.run(_drive(spec))
     out = Path(spec["out"])
-    for k, (lat, spans) in enumerate(zip(res.pop("lat"), res.pop("spans"))):
-        out.with_suffix(f".lat{k}").write_bytes(lat.tobytes())
-        out.with_suffix(f".spans{k}").write_bytes(spans.tobytes())
+    for key in ("lat", "sent", "spans"):
+        for k, values in enumerate(res.pop(key)):
+            out.with_suffix(f".{key}{k}").write_bytes(values.tobytes())
     out.with_suffix(".json").write_text(json.dumps(res))
 
 
@@ -291,20 +296,28 @@ class _Deployment:
                           str(prefix / "error.log"), "-g", "daemon off;"], {})
         self.nginx.wait_healthy([f"http://127.0.0.1:{port}/health"])
 
-    def start_edge(self, name: str, env: dict | None = None, flags: tuple = ()) -> None:
-        """A router and an edge (with `flags`) for path `name` (its port: ports[name])."""
+    def start_edge(self, name: str, env: dict | None = None, flags: tuple = (),
+                   embedded: bool = False) -> None:
+        """A router and an edge (with `flags`) for path `name` (its port: ports[name]);
+        `embedded`: the router runs in the edge's process."""
         from .deployments import free_port
         port, router_port, grpc_port = free_port(), free_port(), free_port()
         self.ports[name] = port
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
-        router = self._children(f"{name}-router")
+        source = f"127.0.0.1:{self.ports['grpc']}"
         edge = self._children(f"{name}-edge")
-        self.edges[name] = (router, edge)
-        router.start([*cli, "router", "--port", str(router_port),
-                      "--decode-worker", f"127.0.0.1:{self.ports['grpc']}"], env or {})
-        edge.start([*cli, "edge", "--router", f"127.0.0.1:{router_port}", "--port", str(port),
-                    "--grpc-port", str(grpc_port), "--model", self.model,
-                    "--min-prefill-workers", "0", *flags], env or {})
+        if embedded:
+            self.edges[name] = (None, edge)
+            flags = ("--router", "embedded", "--router-port", str(router_port),
+                     "--decode-worker", source, *flags)
+        else:
+            router = self._children(f"{name}-router")
+            self.edges[name] = (router, edge)
+            router.start([*cli, "router", "--port", str(router_port), "--decode-worker", source],
+                         env or {})
+            flags = ("--router", f"127.0.0.1:{router_port}", *flags)
+        edge.start([*cli, "edge", "--port", str(port), "--grpc-port", str(grpc_port),
+                    "--model", self.model, "--min-prefill-workers", "0", *flags], env or {})
         edge.wait_healthy([f"http://127.0.0.1:{port}/health"])
 
     @staticmethod
@@ -341,7 +354,8 @@ class _Deployment:
 
     def stop_edge(self, name: str) -> None:
         for c in self.edges.pop(name, ()):
-            c.stop()
+            if c is not None:
+                c.stop()
 
     def stop(self) -> None:
         for name in list(self.edges):
@@ -461,6 +475,9 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
             results[k].append({
                 "held": r["held"][k], "errors": r["errors"][k], "cpu_s": r["cpu_s"] / len(ports),
                 "lat": np.fromfile(out.with_suffix(f".lat{k}"), dtype=np.int64),
+                "sent": np.fromfile(out.with_suffix(f".sent{k}"), dtype=np.int64),
+                # Tokens sent a second after the last stream's start: the steady state.
+                "steady_from": int((start_at + st.ramp + 1.0) * 1e6),
                 "spans": np.fromfile(out.with_suffix(f".spans{k}"), dtype=np.int64)})
     return results, peak, wall
 
@@ -520,14 +537,21 @@ def _figures(name: str, results: list[dict], peak: float | None, cpu: float | No
     """One path's figures from its clients' results."""
     import numpy as np
     lat = np.concatenate([r["lat"] for r in results])
+    steady = np.concatenate([r["lat"][r["sent"] >= r["steady_from"]] for r in results])
     errors = sum((Counter(r["errors"]) for r in results), Counter())
     tokens = int(len(lat))
     q = (lambda p: round(float(np.percentile(lat, p)) / 1000, 3)) if tokens else (lambda p: None)
+    qs = ((lambda p: round(float(np.percentile(steady, p)) / 1000, 3)) if len(steady)
+          else (lambda p: None))
     per_1k = lambda s: round(1000 * s / tokens, 4) if tokens else None  # noqa: E731
     out = {"streams_held": sum(r["held"] for r in results), "errors": sum(errors.values()),
            "error_kinds": dict(errors), "tokens": tokens,
            "latency_p50_ms": q(50), "latency_p99_ms": q(99), "latency_max_ms": q(100),
            "added_p50_ms": 0.0, "added_p99_ms": 0.0,
+           # The same, over the tokens sent from a second after the last stream started
+           # (the starts' own work left out: what the path adds to running streams).
+           "steady_tokens": int(len(steady)), "steady_p50_ms": qs(50), "steady_p99_ms": qs(99),
+           "steady_added_p50_ms": 0.0, "steady_added_p99_ms": 0.0,
            "cpu_s_per_1k_tokens": per_1k(src if cpu is None else cpu),
            "source_cpu_s_per_1k_tokens": per_1k(src),
            "peak_concurrent_streams": _peak_concurrency(np.concatenate(
@@ -547,9 +571,10 @@ def _added(sections: dict) -> None:
         if name == "direct":
             continue
         for p in ("p50", "p99"):
-            ok = direct and s[f"latency_{p}_ms"] is not None and direct[f"latency_{p}_ms"] is not None
-            s[f"added_{p}_ms"] = (round(max(0.0, s[f"latency_{p}_ms"] - direct[f"latency_{p}_ms"]), 3)
-                                  if ok else None)
+            for of, to in ((f"latency_{p}_ms", f"added_{p}_ms"),
+                           (f"steady_{p}_ms", f"steady_added_{p}_ms")):
+                ok = direct and s.get(of) is not None and direct.get(of) is not None
+                s[to] = round(max(0.0, s[of] - direct[of]), 3) if ok else None
 
 
 def targets(result: dict) -> dict:
@@ -562,7 +587,7 @@ def targets(result: dict) -> dict:
     if edge and st["streams"] >= 10_000:
         out["edge_10k_streams_0_errors"] = edge["errors"] == 0 and edge["streams_held"] >= 10_000
         out["edge_rss_le_1_gib"] = result["edge_rss_mib"] <= 1024
-    for name in ("edge", "per_request"):
+    for name in ("edge", "embedded", "per_request"):
         s = result.get(name)
         if s and st["streams"] >= 1000 and st["rate"] >= 20 and s["added_p99_ms"] is not None:
             out[f"{name}_added_p99_le_1_ms"] = s["added_p99_ms"] <= 1.0
@@ -635,9 +660,11 @@ def _measure_edges(dep: _Deployment, names: list[str], st: Settings, model: str,
     collector = Collector() if "traced" in names else None
     try:
         for name in names:
-            progress(f"starting pdserve router + edge for {name}")
+            what = "edge (router embedded)" if name == "embedded" else "router + edge"
+            progress(f"starting pdserve {what} for {name}")
             dep.start_edge(name, _tracing_env(collector) if name == "traced" else None,
-                           ("--decode-calls", "per-request") if name == "per_request" else ())
+                           ("--decode-calls", "per-request") if name == "per_request" else (),
+                           embedded=name == "embedded")
         out = measure_together({n: (dep.ports[n], _Deployment.pids(dep.edges[n][1]))
                                 for n in names}, st, model, tmp, source, source_url)
         for name in names:
@@ -673,7 +700,8 @@ def tracing_cost(off: dict, on: dict) -> dict:
 def table(result: dict) -> str:
     """The sections side by side, then the targets, as text."""
     keys = ["streams_held", "errors", "tokens", "latency_p50_ms", "latency_p99_ms",
-            "added_p50_ms", "added_p99_ms", "cpu_s_per_1k_tokens", "peak_concurrent_streams"]
+            "added_p50_ms", "added_p99_ms", "steady_added_p50_ms", "steady_added_p99_ms",
+            "cpu_s_per_1k_tokens", "peak_concurrent_streams"]
     st = result["settings"]
     lines = [f"{st['streams']} streams x {st['max_tokens']} tokens at {st['rate']:g} tokens/s "
              f"on {st['cores']} cores", f"{'path':<12}" + "".join(f"{k:>24}" for k in keys)]

@@ -113,6 +113,7 @@ class Ticket:
     preempted: int = 0              # times it gave its slot up
 
     def release(self) -> None:
+        self.on_preempt = None                  # its stream's: no cycle left behind
         if not self.released:
             self.released = True
             if self.slot >= 0:

@@ -69,6 +69,10 @@ def test_smoke_prints_the_contract_with_every_stream_held(tmp_path):
         assert s["tokens"] == streams * 40, name
         assert s["added_p50_ms"] >= 0 and s["added_p99_ms"] >= 0, name
         assert 0 < s["latency_p50_ms"] <= s["latency_p99_ms"], name
+        # Tokens sent from a second after the last start: the last ~second's, of every stream.
+        assert 0 < s["steady_tokens"] < s["tokens"], name
+        assert 0 < s["steady_p50_ms"] <= s["steady_p99_ms"], name
+        assert s["steady_added_p99_ms"] >= 0, name
         assert s["cpu_s_per_1k_tokens"] >= 0, name
     assert result["direct"]["added_p50_ms"] == result["direct"]["added_p99_ms"] == 0
     # The traced edge exported every request's spans (the HTTP one, the generation, its
