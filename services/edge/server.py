@@ -13,6 +13,7 @@ from services.router.local import LocalRouter
 from services.router.server import Router
 
 from .app import ADMISSION, STREAMS, build_app
+from .detokenizer import byte_table
 from .inference import InferenceService
 from .generation import Resilience
 from .orchestrator import Orchestrator
@@ -34,6 +35,9 @@ def resilience(cfg: EdgeConfig) -> Resilience:
 async def serve(cfg: EdgeConfig) -> None:
     """Serve HTTP on cfg.host:cfg.port until signalled; streams in flight get 30 s to finish."""
     encoder = PromptEncoder(cfg.model)
+    # The detokenizer's byte table is built and checked once per tokenizer (a decode
+    # of every id), here rather than in the first request.
+    byte_table(encoder.tokenizer._tokenizer)
     # --router embedded: the router's registry, probes and placement on this loop.
     router = Router(cfg.embedded_router) if cfg.embedded_router else None
     orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer,
