@@ -540,9 +540,10 @@ def _figures(name: str, results: list[dict], peak: float | None, cpu: float | No
     steady = np.concatenate([r["lat"][r["sent"] >= r["steady_from"]] for r in results])
     errors = sum((Counter(r["errors"]) for r in results), Counter())
     tokens = int(len(lat))
-    q = (lambda p: round(float(np.percentile(lat, p)) / 1000, 3)) if tokens else (lambda p: None)
-    qs = ((lambda p: round(float(np.percentile(steady, p)) / 1000, 3)) if len(steady)
-          else (lambda p: None))
+    def quantile(values, p: float) -> float | None:             # µs in, ms out
+        return round(float(np.percentile(values, p)) / 1000, 3) if len(values) else None
+    q = lambda p: quantile(lat, p)  # noqa: E731
+    qs = lambda p: quantile(steady, p)  # noqa: E731
     per_1k = lambda s: round(1000 * s / tokens, 4) if tokens else None  # noqa: E731
     out = {"streams_held": sum(r["held"] for r in results), "errors": sum(errors.values()),
            "error_kinds": dict(errors), "tokens": tokens,

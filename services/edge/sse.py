@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from aiohttp import web
 
-from .stream_log import DONE, EventsGone, Event, Follower
+from .stream_log import DONE, EventsGone, Event, Follower, numbered
 
 if TYPE_CHECKING:
     from .streams import LiveStream
@@ -57,16 +57,14 @@ def chunked_events(seq: int, data: list[str]) -> bytes:
     """Events `seq`, `seq + 1`... as `frame` renders them, in one HTTP/1.1 chunk (the
     pushed writer's step, once per token). Payloads are ASCII JSON (events.py)."""
     if len(data) == 1:
-        body = b"id: %d\ndata: %s\n\n" % (seq, data[0].encode())
-    else:
-        body = "".join([f"id: {seq + i}\ndata: {d}\n\n" for i, d in enumerate(data)]).encode()
-    return b"%x\r\n%b\r\n" % (len(body), body)
+        return _chunk(b"id: %d\ndata: %s\n\n" % (seq, data[0].encode()))
+    return _chunk("".join([f"id: {seq + i}\ndata: {d}\n\n"
+                           for i, d in enumerate(data)]).encode())
 
 
 def plain_chunked_events(seq: int, data: list[str]) -> bytes:
     """As `chunked_events`, in OpenAI's framing (`plain_frame`)."""
-    body = "".join([f"data: {d}\n\n" for d in data]).encode()
-    return b"%x\r\n%b\r\n" % (len(body), body)
+    return _chunk("".join([f"data: {d}\n\n" for d in data]).encode())
 
 
 def bound_buffers(request: web.Request) -> None:
@@ -178,7 +176,7 @@ async def pushed(request: web.Request, follower: Follower, render) -> list[Event
             elif data := (taken := follower.take_data())[1]:
                 seq = taken[0]
                 if data[-1] == DONE:
-                    woken.set_result([Event(seq + i, d) for i, d in enumerate(data)])
+                    woken.set_result(numbered(seq, data))
                 else:
                     transport.write(chunked(seq, data))
             elif follower.log.finished:

@@ -47,6 +47,11 @@ class Event:
     data: str                       # JSON text, or DONE
 
 
+def numbered(seq: int, data: list[str]) -> list[Event]:
+    """Events `seq`, `seq + 1`... holding `data`."""
+    return [Event(seq + i, d) for i, d in enumerate(data)]
+
+
 class StreamLog:
     """One generation's events; its readers are `Follower`s (`follow()`)."""
 
@@ -167,8 +172,7 @@ class Follower:
 
     def take(self) -> list[Event]:
         """The events after the reader's place, now (maybe none); moves past them."""
-        seq, data = self.take_data()
-        return [Event(seq + i, d) for i, d in enumerate(data)]
+        return numbered(*self.take_data())
 
     def take_data(self) -> tuple[int, list[str]]:
         """As `take()`, without an Event per event (the socket writer's step, once per
