@@ -9,8 +9,10 @@ popularity, bursts of arrivals, and twice a worker leaving (at 25% and 60% of
 the run) and a fresh one joining 10% later.
 
 Policies: `pdserve` is `services.router.placement.place` itself, fed what the
-router gets live: load reports every `report_s` and the workers' stored/evicted
-block events. The baselines: `round_robin`, `least_loaded` (true current load),
+router gets live: the workers' stored/evicted block events, and their loads as
+they push them (services/worker/load_push.py: a record with every KV-event batch
+and the moment a request ends, so the router's view is current at each decision,
+the network's milliseconds aside). The baselines: `round_robin`, `least_loaded` (true current load),
 `consistent_hash` (rendezvous on the session, no load bound) and `oracle`
 (true cache contents and loads: the longest actual prefix among workers within
 the same load bound).
@@ -66,7 +68,6 @@ class SimConfig:
     session_rate: float = 8.0            # new sessions per second (doubled in bursts)
     prefill_s_per_token: float = 0.0002
     decode_s_per_token: float = 0.02
-    report_s: float = 0.5                # how often workers report load to the router
     balance: float = 1.25
     balance_slack: int = RouterConfig().balance_slack
     leaver: int = 0                      # the first worker to leave (the next one, second)
@@ -154,7 +155,6 @@ class Pdserve:
         self.index = PrefixIndex(cfg.block_size)
         self.policy = Policy(balance=cfg.balance, balance_slack=cfg.balance_slack,
                              local_below_tokens=0)
-        self.next_report = 0.0
         self.tokens: dict[int, list[int]] = {}                   # key -> its block's tokens
         self.decision_s: list[float] = []
 
@@ -172,10 +172,8 @@ class Pdserve:
         self.index.removed(worker, evicted)
 
     def choose(self, turn: Turn, workers: dict[str, SimWorker], now: float) -> str:
-        if now >= self.next_report:                              # workers' periodic reports
-            for e in self.registry.serving(DECODE):
-                e.reported(workers[e.info.worker_id].load(now))
-            self.next_report = now + self.cfg.report_s
+        for e in self.registry.serving(DECODE):     # the records the workers pushed by now
+            e.reported(workers[e.info.worker_id].load(now))
         req = router_pb2.RouteRequest(model="m", session_id=str(turn.session),
                                       prompt_token_ids_packed=packed(turn.prompt))
         started = time.perf_counter()
