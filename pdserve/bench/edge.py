@@ -212,7 +212,7 @@ async def _drive(spec: dict) -> dict:
                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
     ports = spec["ports"]
-    lat, sent, spans = ([array("q") for _ in ports] for _ in range(3))
+    lat, sent, spans, first = ([array("q") for _ in ports] for _ in range(4))
     errors, held = [Counter() for _ in ports], [0] * len(ports)
 
     async def one(j: int) -> None:
@@ -221,6 +221,7 @@ async def _drive(spec: dict) -> dict:
         await asyncio.sleep(max(0.0, start - time.monotonic()))
         done = loop.create_future()
         s = _Stream(request, lat[k], sent[k], done)
+        opened = time.monotonic_ns() // 1000
         try:
             async with asyncio.timeout(start + spec["timeout"] - time.monotonic()):
                 await loop.create_connection(lambda: s, spec["host"], ports[k])
@@ -242,21 +243,23 @@ async def _drive(spec: dict) -> dict:
             held[k] += 1
         if s.first:
             spans[k].extend((s.first, s.last))
+            first[k].append(s.first - opened)
 
     await asyncio.gather(*(one(j) for j in range(spec["index"], spec["streams"], spec["of"])))
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return {"held": held, "errors": [dict(e) for e in errors],
-            "cpu_s": ru.ru_utime + ru.ru_stime, "lat": lat, "sent": sent, "spans": spans}
+            "cpu_s": ru.ru_utime + ru.ru_stime, "lat": lat, "sent": sent, "spans": spans,
+            "first": first}
 
 
 def client_main(spec: dict) -> None:
     """Entry of one load-generator process: results into spec["out"] (.json, .lat, .sent,
-    .spans)."""
+    .spans, .first)."""
     import uvloop
     raise_nofile()
     res = uvloop.run(_drive(spec))
     out = Path(spec["out"])
-    for key in ("lat", "sent", "spans"):
+    for key in ("lat", "sent", "spans", "first"):
         for k, values in enumerate(res.pop(key)):
             out.with_suffix(f".{key}{k}").write_bytes(values.tobytes())
     out.with_suffix(".json").write_text(json.dumps(res))
@@ -478,7 +481,8 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
                 "sent": np.fromfile(out.with_suffix(f".sent{k}"), dtype=np.int64),
                 # Tokens sent a second after the last stream's start: the steady state.
                 "steady_from": int((start_at + st.ramp + 1.0) * 1e6),
-                "spans": np.fromfile(out.with_suffix(f".spans{k}"), dtype=np.int64)})
+                "spans": np.fromfile(out.with_suffix(f".spans{k}"), dtype=np.int64),
+                "first": np.fromfile(out.with_suffix(f".first{k}"), dtype=np.int64)})
     return results, peak, wall
 
 
@@ -538,6 +542,7 @@ def _figures(name: str, results: list[dict], peak: float | None, cpu: float | No
     import numpy as np
     lat = np.concatenate([r["lat"] for r in results])
     steady = np.concatenate([r["lat"][r["sent"] >= r["steady_from"]] for r in results])
+    first = np.concatenate([r["first"] for r in results])
     errors = sum((Counter(r["errors"]) for r in results), Counter())
     tokens = int(len(lat))
     def quantile(values, p: float) -> float | None:             # µs in, ms out
@@ -553,6 +558,9 @@ def _figures(name: str, results: list[dict], peak: float | None, cpu: float | No
            # (the starts' own work left out: what the path adds to running streams).
            "steady_tokens": int(len(steady)), "steady_p50_ms": qs(50), "steady_p99_ms": qs(99),
            "steady_added_p50_ms": 0.0, "steady_added_p99_ms": 0.0,
+           # From a stream's connect to its first token: what a start waits (the ramp's
+           # starts queue behind each other and, in the edge, behind running streams).
+           "first_token_p50_ms": quantile(first, 50), "first_token_p99_ms": quantile(first, 99),
            "cpu_s_per_1k_tokens": per_1k(src if cpu is None else cpu),
            "source_cpu_s_per_1k_tokens": per_1k(src),
            "peak_concurrent_streams": _peak_concurrency(np.concatenate(

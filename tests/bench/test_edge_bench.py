@@ -73,6 +73,8 @@ def test_smoke_prints_the_contract_with_every_stream_held(tmp_path):
         assert 0 < s["steady_tokens"] < s["tokens"], name
         assert 0 < s["steady_p50_ms"] <= s["steady_p99_ms"], name
         assert s["steady_added_p99_ms"] >= 0, name
+        # Each stream's connect to its first token, over every stream.
+        assert 0 < s["first_token_p50_ms"] <= s["first_token_p99_ms"] < 100_000, name
         assert s["cpu_s_per_1k_tokens"] >= 0, name
     assert result["direct"]["added_p50_ms"] == result["direct"]["added_p99_ms"] == 0
     # The traced edge exported every request's spans (the HTTP one, the generation, its
