@@ -28,7 +28,7 @@ from pdserve.config import EdgeConfig
 from pdserve.v1 import common_pb2, router_pb2
 
 from . import openai_protocol as oai
-from .metrics import EdgeMetrics
+from .metrics import EdgeMetrics, observe_all
 from . import sse, websocket
 from .admission import Admission, pool_capacity
 from .events import Renderer
@@ -264,9 +264,7 @@ def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
     metrics.e2e.labels(cfg.name, stream.path).observe(time.perf_counter() - started)
     if stream.first_token_at is not None:
         metrics.ttft.labels(cfg.name, stream.path).observe(stream.first_token_at - started)
-    itl = metrics.itl.labels(cfg.name, stream.path)
-    for gap in stream.token_gaps:
-        itl.observe(gap)
+    observe_all(metrics.itl.labels(cfg.name, stream.path), stream.token_gaps)
     telemetry.end(stream.span, None if stream.finish_reason else "ended early",
                   pdserve__path=stream.path, pdserve__placement=stream.stats["placement"],
                   pdserve__decode_worker=stream.decode_worker,

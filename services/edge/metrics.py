@@ -8,6 +8,7 @@ edge's whole-request view with an engine's part of it. Latency series carry
 """
 from __future__ import annotations
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -103,3 +104,28 @@ class EdgeMetrics:
         for transport in ("sse", "ws"):
             self.stream_resumes.labels(transport)
             self.streams_cut.labels(transport)
+
+
+def observe_all(histogram: Histogram, amounts: list[float]) -> None:
+    """`histogram.observe(a)` for every `a` of `amounts` (a labelled child), each bucket
+    and the sum incremented once. A generation's inter-token gaps are observed when it
+    ends: one by one, 400 cost 0.34 ms, and 1,000 generations ending within a second
+    spent a third of the edge's CPU there while the others' last tokens waited
+    (bench/README.md). A bucket is the first whose bound is >= the amount, as
+    `observe` has it; where the client library keeps its buckets some other way,
+    `observe` one by one."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    histogram._raise_if_not_observable()
+    # The first bound >= each amount; a NaN sorts past the last bound, so it lands in
+    # no bucket, as in observe (it is <= none).
+    at = np.searchsorted(bounds, np.array(amounts, dtype=float), side="left")
+    counts = np.bincount(at, minlength=len(bounds) + 1)
+    for i in np.flatnonzero(counts[:len(bounds)]):
+        buckets[i].inc(int(counts[i]))
+    total.inc(sum(amounts))
