@@ -12,8 +12,8 @@ Policies: `pdserve` is `services.router.placement.place` itself, fed what the
 router gets live: the workers' stored/evicted block events, and their loads as
 they push them (services/worker/load_push.py: a record with every KV-event batch
 and the moment a request ends, so the router's view is current at each decision,
-the network's milliseconds aside). The baselines: `round_robin`, `least_loaded` (true current load),
-`consistent_hash` (rendezvous on the session, no load bound) and `oracle`
+the network's milliseconds aside). The baselines: `round_robin`, `least_loaded`
+(true current load), `consistent_hash` (rendezvous on the session, no load bound) and `oracle`
 (true cache contents and loads: the longest actual prefix among workers within
 the same load bound).
 
