@@ -6,12 +6,21 @@ listed (so /health can say what is missing).
 """
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections import deque
 
 from pdserve.v1 import common_pb2, router_pb2
 
 PENDING_SECONDS = 1.0
+# No engine runs or queues this many requests: a larger count (or a negative one, which
+# `GetLoads`' signed fields allow) is a broken report, and counts as this, a worker full
+# to the brim. Placement then sends it nothing while another worker has room, and the
+# count still fits `WorkerInfo.load` (uint32) in the router's snapshot.
+LOAD_LIMIT = 1 << 20
+
+log = logging.getLogger("pdserve.router")
 
 
 class PyWorker:
@@ -74,13 +83,14 @@ except ImportError:                 # not built: the reference runs (keystore.NA
 class WorkerEntry(Worker):
     """One registered worker: its `info` as it registered, and its load."""
 
-    __slots__ = ("info", "capacity", "kv_usage")
+    __slots__ = ("info", "capacity", "kv_usage", "_warned")
 
     def __init__(self, info: router_pb2.WorkerInfo, last_seen: float):
         super().__init__()
         self.last_seen = last_seen
         self.capacity = 0                # requests its engine runs at once; 0 unknown
         self.kv_usage = 0.0              # fraction of its KV cache in use
+        self._warned = False             # about a broken load report, once
         self.set_info(info)
 
     def __repr__(self) -> str:
@@ -96,7 +106,25 @@ class WorkerEntry(Worker):
 
     def reported(self, load: int, capacity: int | None = None,
                  kv_usage: float | None = None) -> None:
-        """The engine's own count of its requests: it covers every placement so far."""
+        """The engine's own count of its requests: it covers every placement so far.
+        What no engine can report is bounded, once warned about: a load below 0 or over
+        LOAD_LIMIT counts as LOAD_LIMIT (full); a capacity outside those bounds as
+        unknown (0); a KV usage that is not a number, or below 0, is ignored, and one
+        over 1 counts as 1 (full)."""
+        broken = []
+        if not 0 <= load <= LOAD_LIMIT:
+            broken.append(f"load {load}")
+            load = LOAD_LIMIT
+        if capacity is not None and not 0 <= capacity <= LOAD_LIMIT:
+            broken.append(f"capacity {capacity}")
+            capacity = 0
+        if kv_usage is not None and not (math.isfinite(kv_usage) and 0 <= kv_usage <= 1):
+            broken.append(f"KV usage {kv_usage}")
+            kv_usage = min(kv_usage, 1.0) if math.isfinite(kv_usage) and kv_usage > 1 else None
+        if broken and not self._warned:
+            self._warned = True
+            log.warning("worker %s reports %s: taken as bounded (warned once)",
+                        self.worker_id, ", ".join(broken))
         self.load = load
         self.clear_pending()
         if capacity is not None:
