@@ -120,7 +120,7 @@ class WorkerEntry(Worker):
             capacity = 0
         if kv_usage is not None and not (math.isfinite(kv_usage) and 0 <= kv_usage <= 1):
             broken.append(f"KV usage {kv_usage}")
-            kv_usage = min(kv_usage, 1.0) if math.isfinite(kv_usage) and kv_usage > 1 else None
+            kv_usage = 1.0 if math.isfinite(kv_usage) and kv_usage > 1 else None
         if broken and not self._warned:
             self._warned = True
             log.warning("worker %s reports %s: taken as bounded (warned once)",
