@@ -439,10 +439,15 @@ def _peak_concurrency(spans) -> int:
 
 
 def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: list[list[int]],
-                 source_url: str) -> tuple[list[list[dict]], list[float], float]:
+                 source_url: str, cpu_watch: list[list[int]]
+                 ) -> tuple[list[list[dict]], list[float], float, list]:
     """Spawn the clients (their streams alternate over `ports`), sample each port's
-    `watch` RSS until they exit; (results per port, peak RSS per port, wall s)."""
+    `watch` RSS, and the CPU seconds of each of `cpu_watch`'s groups, until they exit;
+    (results per port, peak RSS per port, wall s, CPU samples: (monotonic s, [CPU s
+    per group, then the whole machine's busy CPU s]))."""
     import numpy as np
+    import psutil
+    from .deployments import cpu_seconds
     start_at = time.monotonic() + 1.0           # after the clients' own start-up (~0.2 s)
     base = {"host": "127.0.0.1", "ports": ports, "model": model, "max_tokens": st.max_tokens,
             "streams": st.streams, "of": st.clients, "ramp": st.ramp, "start_at": start_at,
@@ -456,8 +461,12 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
             procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.bench.edge", "client",
                                            json.dumps(spec)], start_new_session=True))
         last_note = time.monotonic()
+        samples = []
         while any(p.poll() is None for p in procs):
             peak = [max(p, _rss_mib(w)) for p, w in zip(peak, watch)]
+            box = psutil.cpu_times()
+            samples.append((time.monotonic(), [cpu_seconds(g) for g in cpu_watch]
+                            + [box.user + box.system + box.softirq + box.irq]))
             if time.monotonic() - last_note > 5:
                 last_note = time.monotonic()
                 progress(f"  {time.monotonic() - t0:.0f} s: {_source_note(source_url)}")
@@ -481,9 +490,10 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
                 "sent": np.fromfile(out.with_suffix(f".sent{k}"), dtype=np.int64),
                 # Tokens sent a second after the last stream's start: the steady state.
                 "steady_from": int((start_at + st.ramp + 1.0) * 1e6),
+                "start_at": start_at,
                 "spans": np.fromfile(out.with_suffix(f".spans{k}"), dtype=np.int64),
                 "first": np.fromfile(out.with_suffix(f".first{k}"), dtype=np.int64)})
-    return results, peak, wall
+    return results, peak, wall, samples
 
 
 def _source_note(url: str) -> str:
@@ -525,14 +535,52 @@ def measure_together(paths: dict[str, tuple[int, list[int]]], st: Settings, mode
     progress(f"{names}: {st.streams} streams x {st.max_tokens} tokens at {st.rate:g}/s")
     cpu0 = [cpu_seconds(proxy) for _, proxy in paths.values()]
     src0 = cpu_seconds(source)
-    results, peaks, wall = _run_clients(st, [port for port, _ in paths.values()], model, tmp,
-                                        [proxy for _, proxy in paths.values()], source_url)
+    proxies = [proxy for _, proxy in paths.values()]
+    results, peaks, wall, samples = _run_clients(st, [port for port, _ in paths.values()],
+                                                 model, tmp, proxies, source_url,
+                                                 [*proxies, source])
     src = cpu_seconds(source) - src0
     out = {}
     for k, (name, (_, proxy)) in enumerate(paths.items()):
         cpu = cpu_seconds(proxy) - cpu0[k]
         out[name] = _figures(name, results[k], peaks[k] if proxy else None, cpu if proxy
                              else None, src / len(paths), wall)
+        out[name]["by_second"] = by_second(results[k], samples, k if proxy else None, len(proxies),
+                                           st.ramp + st.duration + 1)
+    return out
+
+
+def by_second(results: list[dict], samples: list, k: int | None, source: int, seconds: float
+              ) -> list[dict]:
+    """The path's tokens by the second they were sent in, from the first start: how
+    many, their latency p50 / p99 (ms), and the CPU seconds the proxy (group `k` of
+    the samples) and the source (group `source`) spent in that second, and the whole
+    machine's busy CPU seconds (of as many as it has cores). It shows where a run's
+    tail comes from: the starts, the steady streams, their ends."""
+    import numpy as np
+    start_at = results[0]["start_at"]
+    sent = np.concatenate([r["sent"] for r in results]) / 1e6 - start_at
+    lat = np.concatenate([r["lat"] for r in results]) / 1000
+    times = np.array([t - start_at for t, _ in samples])
+    cpu = np.array([c for _, c in samples]) if samples else np.zeros((0, source + 2))
+
+    def cpu_in(group: int, a: float, b: float) -> float | None:
+        if not len(times) or times[0] > a or times[-1] < b:
+            return None
+        return round(float(np.interp(b, times, cpu[:, group]) -
+                           np.interp(a, times, cpu[:, group])), 3)
+    out = []
+    for s in range(int(np.ceil(seconds))):
+        mask = (sent >= s) & (sent < s + 1)
+        if not mask.any():
+            continue
+        window = lat[mask]
+        out.append({"second": s, "tokens": int(mask.sum()),
+                    "p50_ms": round(float(np.percentile(window, 50)), 3),
+                    "p99_ms": round(float(np.percentile(window, 99)), 3),
+                    "proxy_cpu_s": None if k is None else cpu_in(k, s, s + 1),
+                    "source_cpu_s": cpu_in(source, s, s + 1),
+                    "machine_cpu_s": cpu_in(source + 1, s, s + 1)})
     return out
 
 
