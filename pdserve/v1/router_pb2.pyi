@@ -85,6 +85,30 @@ class RouteDecision(_message.Message):
     cached_tokens: int
     def __init__(self, decode: _Optional[_Union[WorkerInfo, _Mapping]] = ..., prefill: _Optional[_Union[WorkerInfo, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class RouteRequests(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RouteRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RouteRequest, _Mapping]]] = ...) -> None: ...
+
+class RouteAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[RouteAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[RouteAnswer, _Mapping]]] = ...) -> None: ...
+
+class RouteAnswer(_message.Message):
+    __slots__ = ("request_id", "decision", "status_code", "status_details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    decision: RouteDecision
+    status_code: int
+    status_details: str
+    def __init__(self, request_id: _Optional[str] = ..., decision: _Optional[_Union[RouteDecision, _Mapping]] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ...) -> None: ...
+
 class ListWorkersRequest(_message.Message):
     __slots__ = ("edge_id", "admitted")
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class RouterStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.RouteDecision.FromString,
                 _registered_method=True)
+        self.RouteStream = channel.stream_stream(
+                '/pdserve.v1.Router/RouteStream',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.RouteRequests.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.RouteAnswers.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/pdserve.v1.Router/ListWorkers',
                 request_serializer=pdserve_dot_v1_dot_router__pb2.ListWorkersRequest.SerializeToString,
@@ -81,6 +86,18 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RouteStream(self, request_iterator, context):
+        """Route, for many requests on one call: an edge keeps one open to its router
+        and sends its requests on it as they come, those queued together in one
+        message; the router answers a message's requests in one message, each answer
+        with its request's id. A failure is that request's alone (its status in the
+        answer), not the call's. A call per request costs the edge and the router a
+        call's setup and a socket write or more each (bench/README.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListWorkers(self, request, context):
         """Every worker the router knows and whether it is serving.
         """
@@ -105,6 +122,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.RouteRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.RouteDecision.SerializeToString,
+            ),
+            'RouteStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RouteStream,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.RouteRequests.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.RouteAnswers.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -194,6 +216,33 @@ class Router:
             '/pdserve.v1.Router/Route',
             pdserve_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.RouteDecision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Router/RouteStream',
+            pdserve_dot_v1_dot_router__pb2.RouteRequests.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.RouteAnswers.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve import telemetry
 from pdserve.rpc import channel
-from pdserve.v1 import router_pb2, router_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from pdserve.v1 import router_pb2, transfer_pb2, transfer_pb2_grpc
 from services.router.keystore import packed
 
 from .batched import BATCH_FROM, BatchedCalls
@@ -38,6 +38,7 @@ from .detokenizer import StopRule, TextStream
 from .engine_requests import continues_from_prefill_token, prefill_request
 from .generation import (DecodeLeg, Generation, GenerationStream, Heard, Resilience, api_error,
                          in_background)
+from .route_calls import RouteCalls
 
 log = logging.getLogger("pdserve.edge")
 
@@ -57,9 +58,10 @@ class Orchestrator:
                  resilience: Resilience = Resilience(), batched: bool = False,
                  batch_from: int = BATCH_FROM, router=None,
                  first_token_from_prefill: bool = True):
-        # `router`: the same calls answered in this process (services/router/local.py).
+        # `router`: the same calls answered in this process (services/router/local.py);
+        # else the router's, each Route a message on one open call (route_calls.py).
         self.router_channel = None if router else channel(router_address)
-        self.router = router or router_pb2_grpc.RouterStub(self.router_channel)
+        self.router = router or RouteCalls(self.router_channel)
         self.timeout = request_timeout
         self.tokenizer = tokenizer
         self.resilience = resilience
@@ -285,6 +287,8 @@ class Orchestrator:
 
     async def close(self) -> None:
         """Close every shared call and channel."""
+        if isinstance(self.router, RouteCalls):
+            await self.router.close()
         for calls in self._batched.values():
             if calls is not None:
                 await calls.close()

@@ -60,32 +60,57 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.DeregisterResponse()
 
     async def Route(self, request, context):
+        answer = self.decide(request)
+        if answer.status_code:
+            await context.abort(_CODES[answer.status_code], answer.status_details)
+        return answer.decision
+
+    async def RouteStream(self, request_iterator, context):
+        """Route, for every request the call brings, a message's requests answered in
+        one; a request that cannot be placed is answered with its status, and the
+        call goes on."""
+        async for batch in request_iterator:
+            yield router_pb2.RouteAnswers(answers=[self.decide(r) for r in batch.requests])
+
+    def decide(self, request: router_pb2.RouteRequest) -> router_pb2.RouteAnswer:
+        """One request's placement, counted in the registry's pending loads, or the
+        status it fails with."""
         started = time.perf_counter()
         try:
             decision, decode, prefill = place(self.registry, request, self.policy, self.index)
         except NoWorkerError as e:
             self.metrics.unplaced.inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            return _failed(request, grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:                 # packed token ids of a broken length
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return _failed(request, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.metrics.routed(decision.reason, started)
         for entry in (decode, prefill):
             if entry is not None:
                 self.registry.placed(entry)
-        log.info("route %s: decode=%s prefill=%s (%s; %d of %d prompt tokens held; "
-                 "decode loads %s)", request.request_id, decision.decode.worker_id,
-                 decision.prefill.worker_id or "-", decision.reason, decision.cached_tokens,
-                 request.prompt_tokens or len(request.prompt_token_ids),
-                 " ".join(f"{e.info.worker_id}={e.load}+{e.pending}"
-                          for e in self.registry.workers.values()
-                          if e.info.role == decode.info.role))
-        return decision
+        if log.isEnabledFor(logging.INFO):
+            log.info("route %s: decode=%s prefill=%s (%s; %d of %d prompt tokens held; "
+                     "decode loads %s)", request.request_id, decision.decode.worker_id,
+                     decision.prefill.worker_id or "-", decision.reason,
+                     decision.cached_tokens,
+                     request.prompt_tokens or len(request.prompt_token_ids),
+                     " ".join(f"{e.info.worker_id}={e.load}+{e.pending}"
+                              for e in self.registry.workers.values()
+                              if e.info.role == decode.info.role))
+        return router_pb2.RouteAnswer(request_id=request.request_id, decision=decision)
 
     async def ListWorkers(self, request, context):
         elsewhere = self.edges.report(request.edge_id, request.admitted)
         return router_pb2.ListWorkersResponse(workers=self.registry.snapshot(),
                                               admitted_elsewhere=elsewhere.admitted,
                                               edges=elsewhere.edges)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _failed(request, code: grpc.StatusCode, details: str) -> router_pb2.RouteAnswer:
+    return router_pb2.RouteAnswer(request_id=request.request_id, status_code=code.value[0],
+                                  status_details=details)
 
 
 class Router:

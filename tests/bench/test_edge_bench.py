@@ -76,6 +76,13 @@ def test_smoke_prints_the_contract_with_every_stream_held(tmp_path):
         # Each stream's connect to its first token, over every stream.
         assert 0 < s["first_token_p50_ms"] <= s["first_token_p99_ms"] < 100_000, name
         assert s["cpu_s_per_1k_tokens"] >= 0, name
+        # The tokens by the second they were sent in: all of them, each second's quantiles.
+        seconds = s["by_second"]
+        assert sum(w["tokens"] for w in seconds) == s["tokens"], name
+        assert [w["second"] for w in seconds] == sorted({w["second"] for w in seconds}), name
+        assert all(0 < w["p50_ms"] <= w["p99_ms"] for w in seconds), name
+        assert (seconds[0]["proxy_cpu_s"] is None) == (name == "direct"), name
+        assert seconds[0]["machine_cpu_s"] > 0, name
     assert result["direct"]["added_p50_ms"] == result["direct"]["added_p99_ms"] == 0
     # The traced edge exported every request's spans (the HTTP one, the generation, its
     # steps, the router's) to the bench's collector; the cost is reported as ratios.

@@ -1,0 +1,164 @@
+"""The router's Route, for every request of this edge on one open call.
+
+A unary `Route` was a quarter of the edge's CPU per start at 1,500 starts/s
+(py-spy, bench/README.md): a call each, its setup and its four completions
+through gRPC's poller, and the same again on the router. `RouteCalls` keeps
+one `RouteStream` call open to the router and sends each request on it; each
+answer carries its request's id and, when the request cannot be placed, the
+status a unary Route would have failed with, which is raised here as that
+call's `AioRpcError` (UNAVAILABLE when the call itself breaks, for every
+request waiting on it; the next request opens a new call). To the orchestrator
+it is the `RouterStub` it replaces: `Route` and `ListWorkers`.
+
+With tracing on, each request takes a unary Route, so that the router's side
+joins the request's trace (a message on a shared call carries no context); so
+does every request to a router that does not offer `RouteStream` (one from
+before it, in a rolling upgrade), for a minute at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+
+import grpc
+
+from pdserve import telemetry
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger("pdserve.edge")
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_UNARY = object()                   # the router has no RouteStream: ask again, unary
+_NOT_OFFERED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL)
+UNARY_SECONDS = 60.0                # then RouteStream is tried again (the router may be new)
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _OpenCall:
+    """One `RouteStream` call and the requests waiting for their answers on it."""
+
+    def __init__(self, stub: router_pb2_grpc.RouterStub, on_end):
+        self.waiting: dict[str, asyncio.Future] = {}
+        self._requests: asyncio.Queue = asyncio.Queue()
+        # The call outlives the request that opened it: it belongs to no one's trace.
+        quiet = contextvars.Context()
+        self._call = quiet.run(stub.RouteStream, self._sent())
+        self._reader = asyncio.get_running_loop().create_task(self._read(on_end),
+                                                              context=quiet)
+
+    async def _sent(self):
+        """The requests, those queued since the last message in one (a write each
+        was as dear as the unary call it replaced)."""
+        requests = self._requests
+        while (first := await requests.get()) is not None:
+            batch = [first]
+            while not requests.empty():
+                if (request := requests.get_nowait()) is None:
+                    yield router_pb2.RouteRequests(requests=batch)
+                    return
+                batch.append(request)
+            yield router_pb2.RouteRequests(requests=batch)
+
+    def send(self, request: router_pb2.RouteRequest) -> asyncio.Future:
+        answer = self.waiting[request.request_id] = \
+            asyncio.get_running_loop().create_future()
+        self._requests.put_nowait(request)
+        return answer
+
+    async def _read(self, on_end) -> None:
+        end: object = _error(grpc.StatusCode.UNAVAILABLE, "the router's call ended")
+        answered = False
+        try:
+            async for answers in self._call:
+                answered = True
+                for answer in answers.answers:
+                    waiter = self.waiting.pop(answer.request_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(answer)
+        except grpc.aio.AioRpcError as e:
+            # A router without the method answers UNIMPLEMENTED, or, when our first
+            # request crosses its refusal, the call ends INTERNAL: either way, before
+            # any answer, its requests are asked again as unary calls.
+            end = (_UNARY if not answered and e.code() in _NOT_OFFERED else
+                   _error(grpc.StatusCode.UNAVAILABLE, f"the router's call failed: "
+                          f"{e.code().name}: {e.details()}"))
+        except asyncio.CancelledError:
+            end = _error(grpc.StatusCode.CANCELLED, "the edge closed the router's call")
+            raise
+        finally:
+            on_end(self, end)
+            for waiter in self.waiting.values():
+                if not waiter.done():
+                    if end is _UNARY:
+                        waiter.set_result(_UNARY)
+                    else:
+                        waiter.set_exception(end)
+            self.waiting.clear()
+
+    async def close(self) -> None:
+        self._requests.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class RouteCalls:
+    """`RouterStub`'s Route over one open call; its other methods as they are."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._stub = router_pb2_grpc.RouterStub(channel)
+        self.ListWorkers = self._stub.ListWorkers
+        self._call: _OpenCall | None = None
+        self._unary_until = 0.0             # loop.time() until which Route is unary
+    async def Route(self, request: router_pb2.RouteRequest, timeout: float | None = None
+                    ) -> router_pb2.RouteDecision:
+        rid = request.request_id
+        if (not self.streamed or telemetry.enabled() or not rid
+                or (self._call is not None and rid in self._call.waiting)):
+            return await self._stub.Route(request, timeout=timeout)
+        if self._call is None:
+            self._call = _OpenCall(self._stub, self._ended)
+        call = self._call
+        answer = call.send(request)
+        deadline = None
+        if timeout is not None:
+            deadline = asyncio.get_running_loop().call_later(timeout, _past_deadline, answer)
+        try:
+            result = await answer
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+            if call.waiting.get(rid) is answer:
+                del call.waiting[rid]
+        if result is _UNARY:
+            return await self._stub.Route(request, timeout=timeout)
+        if result.status_code:
+            raise _error(_CODES.get(result.status_code, grpc.StatusCode.UNKNOWN),
+                         result.status_details)
+        return result.decision
+
+    @property
+    def streamed(self) -> bool:
+        """Whether Route goes on the open call now."""
+        return asyncio.get_running_loop().time() >= self._unary_until
+
+    def _ended(self, call: _OpenCall, end) -> None:
+        if self._call is call:
+            self._call = None
+        if end is _UNARY and self.streamed:
+            self._unary_until = asyncio.get_running_loop().time() + UNARY_SECONDS
+            log.warning("the router answered no RouteStream: a call per request for %.0f s",
+                        UNARY_SECONDS)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            await self._call.close()
+
+
+def _past_deadline(answer: asyncio.Future) -> None:
+    if not answer.done():
+        answer.set_exception(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
