@@ -20,6 +20,11 @@ from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
 from .runner import EdgeRunner
 
+# Full garbage collections, one per 1,000 of the middle generation's instead of 10:
+# in a ramp of 1,000 streams the edge ran one every second or so, 17-25 ms each,
+# and none in the same runs with this (bench/README.md).
+FULL_COLLECTION_EVERY = 1000
+
 log = logging.getLogger("pdserve.edge")
 
 
@@ -62,7 +67,7 @@ async def serve(cfg: EdgeConfig) -> None:
     # (aiohttp's default of 128 dropped 740 of 10,000 streams opened in a second).
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
     await site.start()
-    freeze_startup_heap()
+    freeze_startup_heap(full_every=FULL_COLLECTION_EVERY)
     log.info("edge listening on http://%s:%d, Inference gRPC on :%d (model %s, router %s)",
              cfg.host, cfg.port, grpc_server.port, cfg.name,
              f"embedded, Router gRPC on {cfg.embedded_router.host}:{router.port}" if router
