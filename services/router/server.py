@@ -70,7 +70,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         one; a request that cannot be placed is answered with its status, and the
         call goes on."""
         async for batch in request_iterator:
-            yield router_pb2.RouteAnswers(answers=[self.decide(r) for r in batch.requests])
+            yield router_pb2.RouteAnswers(answers=[self._decide_one(r) for r in batch.requests])
+
+    def _decide_one(self, request: router_pb2.RouteRequest) -> router_pb2.RouteAnswer:
+        try:
+            return self.decide(request)
+        except Exception:  # noqa: BLE001 (one request's bug must not end every edge's call)
+            log.exception("route %s failed", request.request_id)
+            return _failed(request, grpc.StatusCode.INTERNAL, "the router failed to place it")
 
     def decide(self, request: router_pb2.RouteRequest) -> router_pb2.RouteAnswer:
         """One request's placement, counted in the registry's pending loads, or the

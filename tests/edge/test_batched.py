@@ -156,3 +156,80 @@ async def test_a_leg_hands_outputs_to_its_sink_only_in_order():
     except grpc.aio.AioRpcError as e:
         assert e.code() == grpc.StatusCode.INTERNAL
     assert call.aborted == ["r1"]
+
+
+class _CountingEngine:
+    """Three tokens for every request (the request's own number, three times)."""
+
+    async def Generate(self, request, context):
+        from smg_grpc_proto import vllm_engine_pb2
+        n = int(request.request_id.split("-")[1])
+        for _ in range(3):
+            yield vllm_engine_pb2.GenerateResponse(
+                chunk=vllm_engine_pb2.GenerateStreamChunk(token_ids=[n]))
+        yield vllm_engine_pb2.GenerateResponse(
+            complete=vllm_engine_pb2.GenerateComplete(finish_reason="length"))
+
+
+async def _starts_on_one_call(older_worker: bool) -> tuple[object, list[list[int]]]:
+    """A real BatchedGenerate server over `_CountingEngine`; one leg, then 20 started in
+    one turn on the edge's shared call: (the servicer, each of the 20 legs' tokens)."""
+    from smg_grpc_proto import vllm_engine_pb2
+
+    from pdserve.rpc import Server, channel
+    from services.edge.batched import BatchedCalls
+    from services.worker import batched as worker_batched
+
+    servicer = worker_batched.BatchedGenerateServicer(_CountingEngine())
+    if older_worker:                    # a worker from before `then`: no metadata
+        serve = servicer.Generate
+
+        class Quiet:
+            def __init__(self, context):
+                self.context = context
+
+            async def send_initial_metadata(self, metadata):
+                pass
+
+            def __getattr__(self, name):
+                return getattr(self.context, name)
+        async def quiet(requests, context):
+            async for message in serve(requests, Quiet(context)):
+                yield message
+        servicer.Generate = quiet
+    server = Server("127.0.0.1", 0, lambda s: worker_batched.batched_pb2_grpc
+                    .add_BatchedGenerateServicer_to_server(servicer, s),
+                    [worker_batched.SERVICE_NAME])
+    await server.start()
+    ch = channel(f"127.0.0.1:{server.port}")
+    calls = BatchedCalls(ch, batch_from=0)
+    try:
+        async def tokens(leg) -> list[int]:
+            return [t for resp in [r async for r in leg] if resp.HasField("chunk")
+                    for t in resp.chunk.token_ids]
+
+        def start(n: int):
+            return calls.Generate(vllm_engine_pb2.GenerateRequest(request_id=f"r-{n}"),
+                                  timeout=10)
+        assert await tokens(start(0)) == [0, 0, 0]
+        legs = [start(n) for n in range(1, 21)]          # in one turn
+        got = await asyncio.gather(*(tokens(leg) for leg in legs))
+        return servicer, got
+    finally:
+        await calls.close()
+        await ch.close()
+        await server.stop(0)
+
+
+async def test_starts_queued_together_go_in_one_message():
+    servicer, got = await _starts_on_one_call(older_worker=False)
+    assert got == [[n] * 3 for n in range(1, 21)]
+    assert servicer.requests == 21
+    # The first alone (the call had just opened), then the twenty in one or two.
+    assert servicer.request_messages <= 3, servicer.request_messages
+
+
+async def test_an_older_worker_gets_a_message_per_request():
+    servicer, got = await _starts_on_one_call(older_worker=True)
+    assert got == [[n] * 3 for n in range(1, 21)]
+    assert servicer.requests == servicer.request_messages == 21

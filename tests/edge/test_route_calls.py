@@ -185,3 +185,18 @@ async def test_with_tracing_on_each_route_is_a_call_of_its_own(routed, monkeypat
     monkeypatch.setattr(telemetry, "enabled", lambda: True)
     decision = await calls.Route(_request("traced"), timeout=5)
     assert decision.decode.worker_id == "d0" and (service.unary, service.streams) == (1, 0)
+
+
+async def test_a_router_bug_on_one_request_fails_that_request_alone(routed, monkeypatch):
+    calls, service, _ = routed
+    decide = service.decide
+
+    def broken(request):
+        if request.request_id == "bad":
+            raise RuntimeError("a bug")
+        return decide(request)
+    monkeypatch.setattr(service, "decide", broken)
+    got = await asyncio.gather(calls.Route(_request("bad"), timeout=5),
+                               calls.Route(_request("good"), timeout=5), return_exceptions=True)
+    assert isinstance(got[0], grpc.aio.AioRpcError) and got[0].code() == grpc.StatusCode.INTERNAL
+    assert got[1].decode.worker_id == "d0" and service.streams == 1
