@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/batched.proto\x12\npdserve.v1\"\x81\x02\n\x0e\x42\x61tchedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x08generate\x18\x02 \x01(\x0cH\x00\x12\x0f\n\x05\x61\x62ort\x18\x03 \x01(\x08H\x00\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12:\n\x08metadata\x18\x05 \x03(\x0b\x32(.pdserve.v1.BatchedRequest.MetadataEntry\x12(\n\x04then\x18\x06 \x03(\x0b\x32\x1a.pdserve.v1.BatchedRequest\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"q\n\rBatchedOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\x0c\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\x12\x16\n\x0estatus_details\x18\x05 \x01(\t\"<\n\x0e\x42\x61tchedOutputs\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.BatchedOutput2Y\n\x0f\x42\x61tchedGenerate\x12\x46\n\x08Generate\x12\x1a.pdserve.v1.BatchedRequest\x1a\x1a.pdserve.v1.BatchedOutputs(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/batched.proto\x12\npdserve.v1\"\xd7\x01\n\x0e\x42\x61tchedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x08generate\x18\x02 \x01(\x0cH\x00\x12\x0f\n\x05\x61\x62ort\x18\x03 \x01(\x08H\x00\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12:\n\x08metadata\x18\x05 \x03(\x0b\x32(.pdserve.v1.BatchedRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"q\n\rBatchedOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08response\x18\x02 \x01(\x0c\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\x12\x16\n\x0estatus_details\x18\x05 \x01(\t\"<\n\x0e\x42\x61tchedOutputs\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.BatchedOutput2Y\n\x0f\x42\x61tchedGenerate\x12\x46\n\x08Generate\x12\x1a.pdserve.v1.BatchedRequest\x1a\x1a.pdserve.v1.BatchedOutputs(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCHEDREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_BATCHEDREQUEST_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_BATCHEDREQUEST']._serialized_start=41
-  _globals['_BATCHEDREQUEST']._serialized_end=298
-  _globals['_BATCHEDREQUEST_METADATAENTRY']._serialized_start=243
-  _globals['_BATCHEDREQUEST_METADATAENTRY']._serialized_end=290
-  _globals['_BATCHEDOUTPUT']._serialized_start=300
-  _globals['_BATCHEDOUTPUT']._serialized_end=413
-  _globals['_BATCHEDOUTPUTS']._serialized_start=415
-  _globals['_BATCHEDOUTPUTS']._serialized_end=475
-  _globals['_BATCHEDGENERATE']._serialized_start=477
-  _globals['_BATCHEDGENERATE']._serialized_end=566
+  _globals['_BATCHEDREQUEST']._serialized_end=256
+  _globals['_BATCHEDREQUEST_METADATAENTRY']._serialized_start=201
+  _globals['_BATCHEDREQUEST_METADATAENTRY']._serialized_end=248
+  _globals['_BATCHEDOUTPUT']._serialized_start=258
+  _globals['_BATCHEDOUTPUT']._serialized_end=371
+  _globals['_BATCHEDOUTPUTS']._serialized_start=373
+  _globals['_BATCHEDOUTPUTS']._serialized_end=433
+  _globals['_BATCHEDGENERATE']._serialized_start=435
+  _globals['_BATCHEDGENERATE']._serialized_end=524
 # @@protoc_insertion_point(module_scope)

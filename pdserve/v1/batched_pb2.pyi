@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BatchedRequest(_message.Message):
-    __slots__ = ("request_id", "generate", "abort", "timeout_seconds", "metadata", "then")
+    __slots__ = ("request_id", "generate", "abort", "timeout_seconds", "metadata")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -20,14 +20,12 @@ class BatchedRequest(_message.Message):
     ABORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
-    THEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generate: bytes
     abort: bool
     timeout_seconds: float
     metadata: _containers.ScalarMap[str, str]
-    then: _containers.RepeatedCompositeFieldContainer[BatchedRequest]
-    def __init__(self, request_id: _Optional[str] = ..., generate: _Optional[bytes] = ..., abort: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., then: _Optional[_Iterable[_Union[BatchedRequest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., generate: _Optional[bytes] = ..., abort: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class BatchedOutput(_message.Message):
     __slots__ = ("request_id", "response", "ended", "status_code", "status_details")

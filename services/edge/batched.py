@@ -36,7 +36,6 @@ from pdserve.v1 import batched_pb2, batched_pb2_grpc
 log = logging.getLogger("pdserve.edge")
 
 SERVICE_NAME = batched_pb2.DESCRIPTOR.services_by_name["BatchedGenerate"].full_name
-BATCHED_REQUESTS = ("pdserve-batched-requests", "1")   # services/worker/batched.py says it
 # Legs open on a worker before new ones share its call: alone, a call of its own is one
 # hop less. (A shared call for every leg read 55 ms of edge CPU per request against 41 at
 # 1 request/s, in runs one after another; paired, with this threshold, the two modes
@@ -134,9 +133,6 @@ class _SharedCall:
     def __init__(self, stub: batched_pb2_grpc.BatchedGenerateStub, on_end):
         self.legs: dict[str, BatchedLeg] = {}
         self._requests: asyncio.Queue = asyncio.Queue()
-        # The worker reads several requests in one message (its call's initial
-        # metadata says so; an older one does not, and gets one a message).
-        self.batched_requests = False
         # The call outlives the request that opened it: it belongs to no request's trace
         # (each generation's context travels in its own request's metadata).
         quiet = contextvars.Context()
@@ -144,23 +140,8 @@ class _SharedCall:
         self._reader = asyncio.get_running_loop().create_task(self._read(on_end), context=quiet)
 
     async def _sent(self):
-        """The requests in order; those queued together in one message once the worker
-        has said it reads them (`then`), else one a message."""
-        requests = self._requests
-        while (req := await requests.get()) is not None:
-            if self.batched_requests and not requests.empty():
-                then, end = [], False
-                while not requests.empty():
-                    if (queued := requests.get_nowait()) is None:
-                        end = True
-                        break
-                    then.append(queued)
-                req.then.extend(then)
-                yield req
-                if end:
-                    return
-            else:
-                yield req
+        while (req := await self._requests.get()) is not None:
+            yield req
 
     def start(self, request: vllm_engine_pb2.GenerateRequest, timeout: float | None,
               metadata) -> BatchedLeg:
@@ -184,9 +165,6 @@ class _SharedCall:
         code, details = grpc.StatusCode.UNAVAILABLE, "the batched call ended"
         try:
             parse = vllm_engine_pb2.GenerateResponse.FromString
-            metadata = await self._call.initial_metadata()
-            self.batched_requests = (metadata is not None and
-                                     BATCHED_REQUESTS in tuple(metadata))
             async for batch in self._call:
                 for out in batch.outputs:
                     leg = self.legs.get(out.request_id)

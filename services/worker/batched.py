@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 
 MESSAGE_BYTES = 1 << 20                 # a message's outputs, at most (roughly)
 SERVICE_NAME = batched_pb2.DESCRIPTOR.services_by_name["BatchedGenerate"].full_name
-# In the call's initial metadata: this worker reads a message's `then` requests.
-BATCHED_REQUESTS = ("pdserve-batched-requests", "1")
 GENERATION_SPAN = f"/{SERVICE_NAME}/Generate"
 
 
@@ -61,14 +59,11 @@ class BatchedGenerateServicer(batched_pb2_grpc.BatchedGenerateServicer):
         self.calls = 0                          # calls opened, messages sent, outputs in them
         self.messages = 0
         self.outputs = 0
-        self.request_messages = 0               # messages read, requests in them
-        self.requests = 0
 
     async def Generate(self, request_iterator, context):
-        call = _Call(self.engine, self)
+        call = _Call(self.engine)
         self.calls += 1
         log.info("batched call %d opened by %s", self.calls, context.peer())
-        await context.send_initial_metadata((BATCHED_REQUESTS,))
         reader = asyncio.create_task(call.read(request_iterator))
         try:
             while not (reader.done() and not call.running and not call.outbox):
@@ -110,33 +105,26 @@ def add_to_server(engine, server) -> BatchedGenerateServicer:
 class _Call:
     """The generations of one `BatchedGenerate` call, and their outbox."""
 
-    def __init__(self, engine, counts: BatchedGenerateServicer):
-        self.engine, self.counts = engine, counts
+    def __init__(self, engine):
+        self.engine = engine
         self.running: dict[str, asyncio.Task] = {}
         self.outbox: list[batched_pb2.BatchedOutput] = []
         self.ready = asyncio.Event()
 
     async def read(self, requests) -> None:
         try:
-            async for message in requests:
-                self.counts.request_messages += 1
-                self.counts.requests += 1 + len(message.then)
-                self._take(message)
-                for req in message.then:
-                    self._take(req)
+            async for req in requests:
+                if req.WhichOneof("kind") == "abort":
+                    task = self.running.get(req.request_id)
+                    if task is not None:
+                        task.cancel()
+                elif req.request_id in self.running:
+                    self._end(req.request_id, grpc.StatusCode.ALREADY_EXISTS,
+                              f"request {req.request_id} is already running on this call")
+                else:
+                    self.running[req.request_id] = asyncio.create_task(self._run(req))
         finally:
             self.ready.set()                    # the caller is done sending
-
-    def _take(self, req: batched_pb2.BatchedRequest) -> None:
-        if req.WhichOneof("kind") == "abort":
-            task = self.running.get(req.request_id)
-            if task is not None:
-                task.cancel()
-        elif req.request_id in self.running:
-            self._end(req.request_id, grpc.StatusCode.ALREADY_EXISTS,
-                      f"request {req.request_id} is already running on this call")
-        else:
-            self.running[req.request_id] = asyncio.create_task(self._run(req))
 
     def _put(self, output: batched_pb2.BatchedOutput) -> None:
         self.outbox.append(output)
