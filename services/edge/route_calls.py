@@ -1,9 +1,11 @@
 """The router's Route, for every request of this edge on one open call.
 
-A unary `Route` was a quarter of the edge's CPU per start at 1,500 starts/s
-(py-spy, bench/README.md): a call each, its setup and its four completions
-through gRPC's poller, and the same again on the router. `RouteCalls` keeps
-one `RouteStream` call open to the router and sends each request on it; each
+A unary `Route` was a quarter of the edge's main thread per start at 1,500
+starts/s (py-spy), and ~0.27 ms of the router's CPU per route. On one open call
+the router spends half that, the edge about what it did (a message write costs
+it what the call did), and the whole run's p99 at 1,000 starts in a second read
+0.4x (bench/README.md). `RouteCalls` keeps one `RouteStream` call open to the
+router and sends the requests on it, those queued together in one message; each
 answer carries its request's id and, when the request cannot be placed, the
 status a unary Route would have failed with, which is raised here as that
 call's `AioRpcError` (UNAVAILABLE when the call itself breaks, for every
