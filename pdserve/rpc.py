@@ -40,6 +40,21 @@ _SERVICE_CONFIG = json.dumps({
 })
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The status a number on the wire stands for (UNKNOWN for one gRPC has not)."""
+    return _STATUS_CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a failed call raises, made on this side: for a call answered in this
+    process, or one request's status on a call it shares, so that the caller handles
+    it as the failure of a call of its own."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class Server:
     """A grpc.aio server with the health service, bound to one address."""
 

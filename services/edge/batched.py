@@ -31,6 +31,7 @@ import logging
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from pdserve.rpc import call_error, status_code
 from pdserve.v1 import batched_pb2, batched_pb2_grpc
 
 log = logging.getLogger("pdserve.edge")
@@ -41,12 +42,7 @@ SERVICE_NAME = batched_pb2.DESCRIPTOR.services_by_name["BatchedGenerate"].full_n
 # 1 request/s, in runs one after another; paired, with this threshold, the two modes
 # measured the same: bench/README.md.)
 BATCH_FROM = 4
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _CANCELLED = object()                           # ended by cancel() on this side
-
-
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class BatchedLeg:
@@ -73,7 +69,7 @@ class BatchedLeg:
                 code, details = self._end
                 if code == grpc.StatusCode.OK:
                     raise StopAsyncIteration
-                raise _error(code, details)
+                raise call_error(code, details)
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -173,7 +169,7 @@ class _SharedCall:
                     if out.response:
                         leg._push(parse(out.response))
                     if out.ended:
-                        leg._ended((_CODES.get(out.status_code, grpc.StatusCode.UNKNOWN),
+                        leg._ended((status_code(out.status_code),
                                     out.status_details))
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), f"the batched call failed: {e.details()}"

@@ -26,18 +26,14 @@ import logging
 import grpc
 
 from pdserve import telemetry
+from pdserve.rpc import call_error, status_code
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("pdserve.edge")
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _UNARY = object()                   # the router has no RouteStream: ask again, unary
 _NOT_OFFERED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL)
 UNARY_SECONDS = 60.0                # then RouteStream is tried again (the router may be new)
-
-
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class _OpenCall:
@@ -72,7 +68,7 @@ class _OpenCall:
         return answer
 
     async def _read(self, on_end) -> None:
-        end: object = _error(grpc.StatusCode.UNAVAILABLE, "the router's call ended")
+        end: object = call_error(grpc.StatusCode.UNAVAILABLE, "the router's call ended")
         answered = False
         try:
             async for answers in self._call:
@@ -86,10 +82,10 @@ class _OpenCall:
             # request crosses its refusal, the call ends INTERNAL: either way, before
             # any answer, its requests are asked again as unary calls.
             end = (_UNARY if not answered and e.code() in _NOT_OFFERED else
-                   _error(grpc.StatusCode.UNAVAILABLE, f"the router's call failed: "
+                   call_error(grpc.StatusCode.UNAVAILABLE, f"the router's call failed: "
                           f"{e.code().name}: {e.details()}"))
         except asyncio.CancelledError:
-            end = _error(grpc.StatusCode.CANCELLED, "the edge closed the router's call")
+            end = call_error(grpc.StatusCode.CANCELLED, "the edge closed the router's call")
             raise
         finally:
             on_end(self, end)
@@ -139,7 +135,7 @@ class RouteCalls:
         if result is _UNARY:
             return await self._stub.Route(request, timeout=timeout)
         if result.status_code:
-            raise _error(_CODES.get(result.status_code, grpc.StatusCode.UNKNOWN),
+            raise call_error(status_code(result.status_code),
                          result.status_details)
         return result.decision
 
@@ -163,4 +159,4 @@ class RouteCalls:
 
 def _past_deadline(answer: asyncio.Future) -> None:
     if not answer.done():
-        answer.set_exception(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        answer.set_exception(call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve.rpc import call_error
 from pdserve.v1 import router_pb2
 
 from .server import RouterService
@@ -22,7 +23,7 @@ class _Context:
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         # The error a stub would raise, so that callers handle both paths alike.
-        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        raise call_error(code, details)
 
 
 class LocalRouter:

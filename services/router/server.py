@@ -14,7 +14,7 @@ import prometheus_client
 
 from pdserve.config import RouterConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
-from pdserve.rpc import Server
+from pdserve.rpc import Server, status_code
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 from .edges import EdgeReports
@@ -62,7 +62,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def Route(self, request, context):
         answer = self.decide(request)
         if answer.status_code:
-            await context.abort(_CODES[answer.status_code], answer.status_details)
+            await context.abort(status_code(answer.status_code), answer.status_details)
         return answer.decision
 
     async def RouteStream(self, request_iterator, context):
@@ -110,9 +110,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.ListWorkersResponse(workers=self.registry.snapshot(),
                                               admitted_elsewhere=elsewhere.admitted,
                                               edges=elsewhere.edges)
-
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _failed(request, code: grpc.StatusCode, details: str) -> router_pb2.RouteAnswer:
