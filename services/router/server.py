@@ -14,7 +14,7 @@ import prometheus_client
 
 from pdserve.config import RouterConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
-from pdserve.rpc import Server, status_code
+from pdserve.rpc import Server
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 from .edges import EdgeReports
@@ -60,36 +60,42 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.DeregisterResponse()
 
     async def Route(self, request, context):
-        answer = self.decide(request)
-        if answer.status_code:
-            await context.abort(status_code(answer.status_code), answer.status_details)
-        return answer.decision
+        decision, code, details = self.decide(request)
+        if decision is None:
+            await context.abort(code, details)
+        return decision
 
     async def RouteStream(self, request_iterator, context):
         """Route, for every request the call brings, a message's requests answered in
         one; a request that cannot be placed is answered with its status, and the
         call goes on."""
         async for batch in request_iterator:
-            yield router_pb2.RouteAnswers(answers=[self._decide_one(r) for r in batch.requests])
+            yield router_pb2.RouteAnswers(answers=[self._answer(r) for r in batch.requests])
 
-    def _decide_one(self, request: router_pb2.RouteRequest) -> router_pb2.RouteAnswer:
+    def _answer(self, request: router_pb2.RouteRequest) -> router_pb2.RouteAnswer:
         try:
-            return self.decide(request)
+            decision, code, details = self.decide(request)
         except Exception:  # noqa: BLE001 (one request's bug must not end every edge's call)
             log.exception("route %s failed", request.request_id)
-            return _failed(request, grpc.StatusCode.INTERNAL, "the router failed to place it")
+            decision, code = None, grpc.StatusCode.INTERNAL
+            details = "the router failed to place it"
+        if decision is None:
+            return router_pb2.RouteAnswer(request_id=request.request_id,
+                                          status_code=code.value[0], status_details=details)
+        return router_pb2.RouteAnswer(request_id=request.request_id, decision=decision)
 
-    def decide(self, request: router_pb2.RouteRequest) -> router_pb2.RouteAnswer:
-        """One request's placement, counted in the registry's pending loads, or the
-        status it fails with."""
+    def decide(self, request: router_pb2.RouteRequest
+               ) -> tuple[router_pb2.RouteDecision | None, grpc.StatusCode, str]:
+        """One request's placement, counted in the registry's pending loads; or None,
+        and the status it fails with."""
         started = time.perf_counter()
         try:
             decision, decode, prefill = place(self.registry, request, self.policy, self.index)
         except NoWorkerError as e:
             self.metrics.unplaced.inc()
-            return _failed(request, grpc.StatusCode.UNAVAILABLE, str(e))
+            return None, grpc.StatusCode.UNAVAILABLE, str(e)
         except ValueError as e:                 # packed token ids of a broken length
-            return _failed(request, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return None, grpc.StatusCode.INVALID_ARGUMENT, str(e)
         self.metrics.routed(decision.reason, started)
         for entry in (decode, prefill):
             if entry is not None:
@@ -103,18 +109,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
                      " ".join(f"{e.info.worker_id}={e.load}+{e.pending}"
                               for e in self.registry.workers.values()
                               if e.info.role == decode.info.role))
-        return router_pb2.RouteAnswer(request_id=request.request_id, decision=decision)
+        return decision, grpc.StatusCode.OK, ""
 
     async def ListWorkers(self, request, context):
         elsewhere = self.edges.report(request.edge_id, request.admitted)
         return router_pb2.ListWorkersResponse(workers=self.registry.snapshot(),
                                               admitted_elsewhere=elsewhere.admitted,
                                               edges=elsewhere.edges)
-
-
-def _failed(request, code: grpc.StatusCode, details: str) -> router_pb2.RouteAnswer:
-    return router_pb2.RouteAnswer(request_id=request.request_id, status_code=code.value[0],
-                                  status_details=details)
 
 
 class Router:
