@@ -83,7 +83,7 @@ class _OpenCall:
             # any answer, its requests are asked again as unary calls.
             end = (_UNARY if not answered and e.code() in _NOT_OFFERED else
                    call_error(grpc.StatusCode.UNAVAILABLE, f"the router's call failed: "
-                          f"{e.code().name}: {e.details()}"))
+                              f"{e.code().name}: {e.details()}"))
         except asyncio.CancelledError:
             end = call_error(grpc.StatusCode.CANCELLED, "the edge closed the router's call")
             raise
@@ -112,6 +112,7 @@ class RouteCalls:
         self.ListWorkers = self._stub.ListWorkers
         self._call: _OpenCall | None = None
         self._unary_until = 0.0             # loop.time() until which Route is unary
+
     async def Route(self, request: router_pb2.RouteRequest, timeout: float | None = None
                     ) -> router_pb2.RouteDecision:
         rid = request.request_id
@@ -135,8 +136,7 @@ class RouteCalls:
         if result is _UNARY:
             return await self._stub.Route(request, timeout=timeout)
         if result.status_code:
-            raise call_error(status_code(result.status_code),
-                         result.status_details)
+            raise call_error(status_code(result.status_code), result.status_details)
         return result.decision
 
     @property
