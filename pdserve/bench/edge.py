@@ -10,6 +10,9 @@ after another, in the same run:
 - `nginx`: through Debian's nginx (`proxy_buffering off`, HTTP/1.1 to the source;
   one worker, or as few more as the open-file limit needs for two sockets per
   stream), configured and started here in a temporary prefix;
+- `floor`: through `edge_floor`, the least a Python relay does over the decode
+  interface (the edge's shared batched call, its detokenizer, a chunk written per
+  output, nothing else): what the edge adds over it is its features' cost;
 - `edge`: through `pdserve edge` and `pdserve router`, the source as the router's
   static decode worker (prompts are short: the decode worker prefills);
 - `traced`: the same with tracing on: every request's spans exported over OTLP
@@ -49,7 +52,7 @@ from .otlp_collector import Collector
 # to another process per request; its CPU is counted, as the edge's alone is for `edge`);
 # per_request: the edge with --decode-calls per-request (a Generate call per stream, where
 # `edge` has the default, one shared batched call to the source's worker past a few)
-PATHS = ("direct", "nginx", "edge", "embedded", "traced", "per_request")
+PATHS = ("direct", "nginx", "floor", "edge", "embedded", "traced", "per_request")
 NGINX = "/usr/sbin/nginx"
 PROMPT = "hello"
 _TEXT = re.compile(rb'"text":\s*"([^"]*)"')   # a completion chunk's text
@@ -274,7 +277,7 @@ class _Deployment:
         from .deployments import _Children
         self.model, self.rate, self.tmp = model, rate, tmp
         self._children = _Children
-        self.source = self.nginx = None
+        self.source = self.nginx = self.floor = None
         self.edges: dict[str, tuple] = {}       # path name -> (router, edge) processes
         self.ports: dict[str, int] = {}
 
@@ -298,6 +301,15 @@ class _Deployment:
         self.nginx.start([NGINX, "-p", str(prefix), "-c", str(conf), "-e",
                           str(prefix / "error.log"), "-g", "daemon off;"], {})
         self.nginx.wait_healthy([f"http://127.0.0.1:{port}/health"])
+
+    def start_floor(self) -> None:
+        from .deployments import free_port
+        port = self.ports["floor"] = free_port()
+        self.floor = self._children("edge-floor")
+        self.floor.start([sys.executable, "-m", "pdserve.bench.edge_floor", "--model", self.model,
+                          "--port", str(port), "--decode-worker",
+                          f"127.0.0.1:{self.ports['grpc']}"], {})
+        self.floor.wait_healthy([f"http://127.0.0.1:{port}/health"])
 
     def start_edge(self, name: str, env: dict | None = None, flags: tuple = (),
                    embedded: bool = False) -> None:
@@ -341,7 +353,8 @@ class _Deployment:
         if name == "nginx":
             logs = [self.tmp / "nginx" / "error.log"]
         else:
-            procs = [self.source] if name == "direct" else list(self.edges.get(name, ()))
+            procs = ([self.source] if name == "direct" else [self.floor] if name == "floor"
+                     else list(self.edges.get(name, ())))
             logs = [log for c in procs if c for _, log in c.procs]
         seen: Counter = Counter()
         for log in logs:
@@ -355,6 +368,11 @@ class _Deployment:
             self.nginx.stop()
             self.nginx = None
 
+    def stop_floor(self) -> None:
+        if self.floor:
+            self.floor.stop()
+            self.floor = None
+
     def stop_edge(self, name: str) -> None:
         for c in self.edges.pop(name, ()):
             if c is not None:
@@ -364,6 +382,7 @@ class _Deployment:
         for name in list(self.edges):
             self.stop_edge(name)
         self.stop_nginx()
+        self.stop_floor()
         if self.source:
             self.source.stop()
             self.source = None
@@ -689,6 +708,13 @@ def bench_edge(st: Settings, paths: list[str], model: str, together: bool = Fals
                                          _Deployment.pids(dep.nginx), source, source_url)
                 _note_errors(dep, name, sections[name])
                 dep.stop_nginx()
+            elif name == "floor":
+                progress("starting the floor relay")
+                dep.start_floor()
+                sections[name] = measure(name, st, dep.ports["floor"], model, tmp,
+                                         _Deployment.pids(dep.floor), source, source_url)
+                _note_errors(dep, name, sections[name])
+                dep.stop_floor()
             elif name not in sections:
                 pair = ([n for n in ("edge", "traced") if n in paths]
                         if together and name in ("edge", "traced") else [name])
