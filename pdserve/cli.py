@@ -88,7 +88,8 @@ EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queu
               "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
               "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds",
               "prefill_timeout_seconds", "prefill_attempts", "decode_stall_seconds",
-              "decode_first_token_seconds", "max_migrations", "decode_calls", "first_token")
+              "decode_first_token_seconds", "max_migrations", "decode_calls",
+              "decode_window_bytes", "first_token")
 
 
 def _add_edge_flags(p: argparse.ArgumentParser) -> None:
@@ -147,6 +148,11 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                         "call per pdserve worker, each message every output of one turn (a "
                         "stock worker gets per-request calls), or per-request: a vLLM "
                         "Generate call per leg")
+    g.add_argument("--decode-window-bytes", type=int,
+                   default=_env("PDSERVE_DECODE_WINDOW_BYTES", d.decode_window_bytes),
+                   help="each call to a worker's HTTP/2 receive window, fixed (0: gRPC's, "
+                        "which grows): a worker streaming to an edge that fell behind waits "
+                        "at this many unread bytes, and sends what it made meanwhile together")
     g.add_argument("--first-token", choices=["prefill", "decode"],
                    default=_env("PDSERVE_FIRST_TOKEN", d.first_token),
                    help="on the disaggregated path, the client's first token: the prefill "

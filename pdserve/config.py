@@ -185,6 +185,12 @@ class EdgeConfig:
     # offers pdserve.v1.BatchedGenerate (batched; a stock worker gets per-request calls),
     # or one vLLM `Generate` call each (per-request).
     decode_calls: str = "batched"
+    # The HTTP/2 receive window of each call to a worker, fixed, in bytes (0: gRPC's own,
+    # which grows with the link's bandwidth-delay product). Small, it is backpressure on a
+    # worker's shared call: when the edge's loop falls behind (a burst of new requests),
+    # the worker's outputs wait there and come in fewer, larger messages, each of which
+    # costs the edge a loop turn (bench/README.md, stop 45).
+    decode_window_bytes: int = 8192
     # Whose token a disaggregated request's client gets first: the prefill's, as soon as
     # the prefill answers (the decode worker then goes on after it; where it can, see
     # README), or the decode engine's, after the KV handover (a steadier first gap).
@@ -211,6 +217,8 @@ class EdgeConfig:
         _check_positive("request_timeout_seconds", self.request_timeout_seconds)
         if self.max_migrations < 0:
             raise ValueError("max_migrations must be >= 0")
+        if self.decode_window_bytes < 0:
+            raise ValueError("decode_window_bytes must be >= 0 (0: gRPC's own windows)")
         if self.decode_calls not in ("per-request", "batched"):
             raise ValueError(f"decode_calls must be per-request or batched, "
                              f"got {self.decode_calls!r}")

@@ -97,10 +97,16 @@ _RECONNECT = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
+def channel(address: str, receive_window: int = 0) -> grpc.aio.Channel:
     """An insecure channel with keepalive, quick reconnects and the retry policy above;
-    calls carry the caller's trace when tracing is on."""
+    calls carry the caller's trace when tracing is on. `receive_window`: each call's
+    HTTP/2 receive window in bytes, fixed (0: gRPC's, which grows with the measured
+    bandwidth-delay product). A fixed small window is backpressure: a server streaming
+    to a reader that has fallen behind stops at that many unread bytes, and what it
+    makes meanwhile goes out together once the reader catches up."""
+    window = ([("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", receive_window)]
+              if receive_window > 0 else [])
     return grpc.aio.insecure_channel(
-        address, options=_KEEPALIVE + _RECONNECT + [("grpc.service_config", _SERVICE_CONFIG),
-                                                    ("grpc.enable_retries", 1)],
+        address, options=_KEEPALIVE + _RECONNECT + window + [
+            ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)],
         interceptors=telemetry.client_interceptors() or None)

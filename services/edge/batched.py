@@ -128,6 +128,7 @@ class _SharedCall:
 
     def __init__(self, stub: batched_pb2_grpc.BatchedGenerateStub, on_end):
         self.legs: dict[str, BatchedLeg] = {}
+        self.messages = 0                       # read so far
         self._requests: asyncio.Queue = asyncio.Queue()
         # The call outlives the request that opened it: it belongs to no request's trace
         # (each generation's context travels in its own request's metadata).
@@ -162,6 +163,7 @@ class _SharedCall:
         try:
             parse = vllm_engine_pb2.GenerateResponse.FromString
             async for batch in self._call:
+                self.messages += 1
                 for out in batch.outputs:
                     leg = self.legs.get(out.request_id)
                     if leg is None:
@@ -204,6 +206,7 @@ class BatchedCalls:
         self._call: _SharedCall | None = None
         self.batch_from = batch_from
         self.own_calls = 0                      # legs open on calls of their own
+        self._messages_before = 0               # read on shared calls that have ended
 
     @property
     def open_legs(self) -> int:
@@ -221,10 +224,16 @@ class BatchedCalls:
             self._call = _SharedCall(self._stub, self._ended)
         return self._call.start(request, timeout, metadata)
 
+    @property
+    def messages_read(self) -> int:
+        """Messages read on this worker's shared calls (each carries many outputs)."""
+        return self._messages_before + (self._call.messages if self._call is not None else 0)
+
     def _own_call_done(self, _call) -> None:
         self.own_calls -= 1
 
     def _ended(self, call: _SharedCall) -> None:
+        self._messages_before += call.messages
         if self._call is call:
             self._call = None
 

@@ -57,7 +57,7 @@ class Orchestrator:
     def __init__(self, router_address: str, request_timeout: float, tokenizer,
                  resilience: Resilience = Resilience(), batched: bool = False,
                  batch_from: int = BATCH_FROM, router=None,
-                 first_token_from_prefill: bool = True):
+                 first_token_from_prefill: bool = True, worker_window: int = 0):
         # `router`: the same calls answered in this process (services/router/local.py);
         # else the router's, each Route a message on one open call (route_calls.py).
         self.router_channel = None if router else channel(router_address)
@@ -67,6 +67,7 @@ class Orchestrator:
         self.resilience = resilience
         self.heard = Heard()                # decode workers' last output, for stall checks
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.worker_window = worker_window  # each worker call's receive window (rpc.channel)
         # A stub builds a callable per method: one per worker and service, not one per
         # request (a new stub for each request was ~5% of the edge's CPU at 1,000 starts/s).
         self._stubs: dict[tuple[type, str], Any] = {}
@@ -82,7 +83,7 @@ class Orchestrator:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = channel(address)
+            self._channels[address] = channel(address, self.worker_window)
         return self._channels[address]
 
     def _stub(self, cls: type, address: str):

@@ -48,6 +48,7 @@ async def serve(cfg: EdgeConfig) -> None:
     orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer,
                                 resilience(cfg), batched=cfg.decode_calls == "batched",
                                 first_token_from_prefill=cfg.first_token == "prefill",
+                                worker_window=cfg.decode_window_bytes,
                                 router=LocalRouter(router.service) if router else None)
     app = build_app(cfg, orchestrator, encoder,
                     router_metrics=router.service.metrics.registry if router else None)

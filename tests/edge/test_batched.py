@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import aiohttp
@@ -156,3 +157,47 @@ async def test_a_leg_hands_outputs_to_its_sink_only_in_order():
     except grpc.aio.AioRpcError as e:
         assert e.code() == grpc.StatusCode.INTERNAL
     assert call.aborted == ["r1"]
+
+
+def test_a_small_receive_window_makes_a_lagging_reader_fewer_larger_messages(model_dir):
+    """`--decode-window-bytes`: with the window fixed small, a worker whose edge stops
+    reading stops writing, and the outputs it makes meanwhile come in a few large
+    messages once the edge reads again; with gRPC's own window it keeps writing a
+    message per turn, and the edge pays a loop turn for each. Same outputs either way."""
+    import grpc
+    from smg_grpc_proto import vllm_engine_pb2
+
+    from pdserve.rpc import channel
+    from pdserve.v1 import common_pb2
+    from services.edge.batched import BatchedCalls
+    from services.edge.engine_requests import decode_request
+    from support import Proc, free_port
+
+    port = free_port()
+    worker = Proc([sys.executable, "-m", "services.worker.synthetic", "--model", str(model_dir),
+                   "--port", str(port), "--rate", "200"], name="synthetic worker")
+
+    async def lag(window: int) -> tuple[int, int]:
+        """40 streams of 100 tokens, the reader's loop blocked for their first 0.3 s:
+        (messages read, outputs read)."""
+        calls = BatchedCalls(channel(f"127.0.0.1:{port}", window), batch_from=0)
+        sampling = common_pb2.SamplingParams(max_tokens=100)
+        legs = [calls.Generate(decode_request(f"w{window}-{i}", [1, 2, 3], sampling, None))
+                for i in range(40)]
+        await asyncio.sleep(0.05)                       # the requests are out
+        time.sleep(0.3)                                 # the edge's loop, busy elsewhere
+        outputs = 0
+        for leg in legs:
+            async for out in leg:
+                outputs += isinstance(out, vllm_engine_pb2.GenerateResponse)
+        messages = calls.messages_read
+        await calls.close()
+        return messages, outputs
+
+    try:
+        worker.wait_listening(port, timeout=60)
+        small, default = asyncio.run(lag(4096)), asyncio.run(lag(0))
+    finally:
+        worker.stop()
+    assert small[1] == default[1] >= 40 * 100           # every token, both ways
+    assert small[0] * 2 <= default[0], (small, default)

@@ -26,6 +26,7 @@ from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterCon
     (lambda: EdgeConfig(model="m", port=-1), "port"),
     (lambda: EdgeConfig(model="m", min_decode_workers=0), "min_decode_workers"),
     (lambda: EdgeConfig(model="m", first_token="router"), "first_token"),
+    (lambda: EdgeConfig(model="m", decode_window_bytes=-1), "decode_window_bytes"),
 ])
 def test_invalid_config_names_the_field(make, field):
     with pytest.raises(ValueError, match=field):
