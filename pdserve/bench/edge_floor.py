@@ -71,6 +71,8 @@ class Floor:
         except grpc.aio.AioRpcError as e:
             await resp.write(b"data: %b\n\n" % json.dumps(
                 {"error": {"message": e.details(), "code": e.code().name}}).encode())
+        finally:
+            leg.cancel()                        # the client left: stop it on the worker
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
