@@ -19,6 +19,10 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
+# The edge's HTTP/2 receive window on calls to workers (EdgeConfig.decode_window_bytes).
+DECODE_WINDOW_BYTES = 8192
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How a worker builds its vLLM engine. CPU defaults; GPU flags override."""
@@ -190,7 +194,7 @@ class EdgeConfig:
     # worker's shared call: when the edge's loop falls behind (a burst of new requests),
     # the worker's outputs wait there and come in fewer, larger messages, each of which
     # costs the edge a loop turn (bench/README.md, stop 45).
-    decode_window_bytes: int = 8192
+    decode_window_bytes: int = DECODE_WINDOW_BYTES
     # Whose token a disaggregated request's client gets first: the prefill's, as soon as
     # the prefill answers (the decode worker then goes on after it; where it can, see
     # README), or the decode engine's, after the KV handover (a steadier first gap).

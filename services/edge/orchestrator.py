@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve import telemetry
+from pdserve.config import DECODE_WINDOW_BYTES
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, transfer_pb2, transfer_pb2_grpc
 from services.router.keystore import packed
@@ -57,7 +58,8 @@ class Orchestrator:
     def __init__(self, router_address: str, request_timeout: float, tokenizer,
                  resilience: Resilience = Resilience(), batched: bool = False,
                  batch_from: int = BATCH_FROM, router=None,
-                 first_token_from_prefill: bool = True, worker_window: int = 0):
+                 first_token_from_prefill: bool = True,
+                 worker_window: int = DECODE_WINDOW_BYTES):
         # `router`: the same calls answered in this process (services/router/local.py);
         # else the router's, each Route a message on one open call (route_calls.py).
         self.router_channel = None if router else channel(router_address)
