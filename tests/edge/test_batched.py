@@ -178,14 +178,14 @@ def test_a_small_receive_window_makes_a_lagging_reader_fewer_larger_messages(mod
                    "--port", str(port), "--rate", "200"], name="synthetic worker")
 
     async def lag(window: int) -> tuple[int, int]:
-        """40 streams of 100 tokens, the reader's loop blocked for their first 0.3 s:
-        (messages read, outputs read)."""
+        """40 streams of 100 tokens (0.5 s at 200/s), the reader's loop blocked for
+        0.6 s meanwhile: (messages read, outputs read)."""
         calls = BatchedCalls(channel(f"127.0.0.1:{port}", window), batch_from=0)
         sampling = common_pb2.SamplingParams(max_tokens=100)
         legs = [calls.Generate(decode_request(f"w{window}-{i}", [1, 2, 3], sampling, None))
                 for i in range(40)]
         await asyncio.sleep(0.05)                       # the requests are out
-        time.sleep(0.3)                                 # the edge's loop, busy elsewhere
+        time.sleep(0.6)                                 # the edge's loop, busy elsewhere
         outputs = 0
         for leg in legs:
             async for out in leg:
