@@ -26,8 +26,6 @@ from vllm.benchmarks.lib.endpoint_request_func import (
 )
 from vllm.benchmarks.serve import calculate_metrics, get_request
 
-from services.edge.sse import PLAIN_HEADER
-
 from .workloads import Session, Workload
 
 
@@ -58,12 +56,9 @@ class Client:
         self.sent += 1
         # ignore_eos: the tiny model has random weights; every request must
         # decode exactly output_len tokens for runs to be comparable.
-        # x-pdserve-sse: plain: vLLM's request functions parse `data:` lines only
-        # (no `id:`); other servers ignore the header.
         req = RequestFuncInput(prompt=prompt, api_url=url, prompt_len=prompt_len,
                                output_len=output_len, model=self.model, ignore_eos=True,
-                               extra_body={"temperature": 0},
-                               extra_headers={PLAIN_HEADER: "plain"})
+                               extra_body={"temperature": 0})
         return await self.request(req, self.session)
 
 

@@ -219,7 +219,18 @@ def start_stream(request: web.Request, req: oai.CompletionRequest, stream: Gener
                                       step=renderer.payload)
 
 
+def _plain_framing(request: web.Request) -> bool:
+    """Whether a POST's stream goes out in OpenAI's framing (the default) or the
+    resumable one (`x-pdserve-sse: resumable`; sse.py)."""
+    framing = request.headers.get(sse.FRAMING_HEADER, "plain").strip().lower()
+    if framing not in sse.FRAMINGS:
+        raise oai.APIError(400, f"{sse.FRAMING_HEADER} must be one of {list(sse.FRAMINGS)}, "
+                           f"got {framing[:40]!r}", param=sse.FRAMING_HEADER)
+    return framing == "plain"
+
+
 async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:
+    plain = _plain_framing(request)
     req, stream = await begin(request, kind, await request.read())
     rid, metrics = stream.gen.request_id, request.app[METRICS]
     # x-pdserve-path is set when the response starts: the decode's first output can
@@ -230,7 +241,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
                **stream.stats["rate_headers"]}
     if req.stream:
         return await _stream_response(request, _ENDPOINT[kind],
-                                      start_stream(request, req, stream), headers)
+                                      start_stream(request, req, stream), headers, plain)
     status = "200"
     try:
         return await _relay_json(request, req, stream, headers)
@@ -292,14 +303,14 @@ async def _relay_json(request, req: oai.CompletionRequest, stream: GenerationStr
 
 
 async def _stream_response(request: web.Request, endpoint: str, live: LiveStream,
-                           headers: dict) -> web.StreamResponse:
-    """The client that asked reads its stream from the start, as SSE."""
+                           headers: dict, plain: bool) -> web.StreamResponse:
+    """The client that asked reads its stream from the start, as SSE (`plain`:
+    OpenAI's framing, else the resumable one)."""
     metrics, status = request.app[METRICS], "200"
     span = telemetry.span("stream", parent=live.generation.span, attributes={
         "pdserve.stream.id": live.stream_id, "pdserve.transport": "sse"})
     try:
         cfg = request.app[CONFIG]
-        plain = request.headers.get(sse.PLAIN_HEADER, "").lower() == "plain"
         reader = await request.app[STREAMS].read(
             live.stream_id, 0, None if plain else cfg.sse_keepalive_seconds, live.owner)
         headers = headers | {STREAM_ID: live.stream_id}

@@ -1,9 +1,14 @@
 """Server-sent events out of a stream log: framing, keepalive, a slow reader cut.
 
-Each event goes out as `id: <seq>` + `data: <payload>`, so a client (a
-browser's EventSource by itself) can resume with `Last-Event-ID`. The first
-write carries a `retry:` hint; an idle stream gets a comment line every
-keepalive interval, well inside common proxy idle timeouts (60 s). A reader
+Two framings. OpenAI's (`plain`, the default on POST): `data: <payload>` lines
+only, as every OpenAI client parses them. Resumable (`x-pdserve-sse:
+resumable` on POST, always on `GET /v1/streams/{id}`): each event goes out as
+`id: <seq>` + `data: <payload>`, so a client (a browser's EventSource by
+itself) can resume with `Last-Event-ID`; the first write carries a `retry:`
+hint, and an idle stream gets a comment line every keepalive interval, well
+inside common proxy idle timeouts (60 s). Both write the same events in the
+same order, one `data:` line each, numbered from 1: a plain client that
+counted n data lines resumes with `Last-Event-ID: n`. A reader
 is bounded: its socket's send buffer and its transport buffer are capped, so
 a client that stops reading blocks only its own writes; after `stall_seconds`
 blocked it is cut off (it can resume from the log), and the generation and
@@ -34,8 +39,10 @@ if TYPE_CHECKING:
 
 HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
            "X-Accel-Buffering": "no"}
-# A request header asking for OpenAI's plain framing (see `plain_frame`).
-PLAIN_HEADER = "x-pdserve-sse"
+# The request header that picks a POST's framing: "plain" (OpenAI's, the default)
+# or "resumable" (`id:`, `retry:`, keepalive comments).
+FRAMING_HEADER = "x-pdserve-sse"
+FRAMINGS = ("plain", "resumable")
 # The reconnect hint rides on the first event: a block holding only `retry:`
 # reads as an event with empty data to some clients (OpenAI's SDK).
 RETRY = b"retry: 1000\n"
@@ -49,7 +56,7 @@ def frame(batch: list[Event]) -> bytes:
 
 
 def plain_frame(batch: list[Event]) -> bytes:
-    """OpenAI's framing exactly: `data:` lines only (the n-th event is still event n)."""
+    """OpenAI's framing exactly: `data:` lines only (the n-th data line is event n)."""
     return "".join([f"data: {e.data}\n\n" for e in batch]).encode()
 
 

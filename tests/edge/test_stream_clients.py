@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from services.worker.synthetic import read_stamps
+from support import parse_sse
 from synthetic_stack import edge_stack
 
 
@@ -171,21 +172,57 @@ async def _follow_in_a_browser(stack, start):
     return events, errors, seen
 
 
-async def test_vllm_benchmark_client_reads_plain_framing(stack):
-    """vLLM's benchmark request functions read `data:` lines only: `x-pdserve-sse: plain`
-    gives them OpenAI's framing (no `id:`/`retry:`), and the stream still has its id."""
+async def test_vllm_benchmark_client_reads_the_default_framing(stack):
+    """vLLM's benchmark request functions read `data:` lines only: with no header a POST
+    gets OpenAI's framing (no `id:`/`retry:`), and the stream still has its id."""
     import aiohttp
     from vllm.benchmarks.lib.endpoint_request_func import (RequestFuncInput,
                                                              async_request_openai_completions)
     req = RequestFuncInput(prompt="hello", api_url=f"{stack.url}/v1/completions", prompt_len=1,
-                           output_len=20, model=stack.model, ignore_eos=True,
-                           extra_headers={"x-pdserve-sse": "plain"})
+                           output_len=20, model=stack.model, ignore_eos=True)
     async with aiohttp.ClientSession() as http:
         out = await async_request_openai_completions(req, http)
         assert out.success, out.error
         assert len(read_stamps(out.generated_text)) == 20
-        async with http.post(f"{stack.url}/v1/completions", json=stack.body(3),
-                             headers={"x-pdserve-sse": "plain"}) as r:
+        async with http.post(f"{stack.url}/v1/completions", json=stack.body(3)) as r:
             raw = await r.text()
             assert r.headers["x-pdserve-stream-id"]
     assert "id:" not in raw and "retry:" not in raw and raw.endswith("data: [DONE]\n\n")
+
+
+async def test_resumable_framing_on_request_and_bad_framing_refused(stack):
+    """`x-pdserve-sse: resumable` numbers the events (and hints `retry:`); any other
+    value is a 400 naming the header, before anything is generated."""
+    import aiohttp
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.url}/v1/completions", json=stack.body(3),
+                             headers={"x-pdserve-sse": "resumable"}) as r:
+            raw = await r.text()
+        async with http.post(f"{stack.url}/v1/completions", json=stack.body(3),
+                             headers={"x-pdserve-sse": "numbered"}) as bad:
+            error = await bad.json()
+    assert raw.startswith("retry: ") and "id: 1\ndata: {" in raw
+    assert raw.endswith("data: [DONE]\n\n")
+    assert bad.status == 400 and error["error"]["param"] == "x-pdserve-sse"
+
+
+async def test_a_plain_client_resumes_after_the_data_lines_it_counted(stack):
+    """A client that read n `data:` lines of the default framing and lost its
+    connection resumes with `Last-Event-ID: n`: the rest, no gap, no duplicate."""
+    import aiohttp
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.url}/v1/completions", json=stack.body(30)) as r:
+            sid, seen = r.headers["x-pdserve-stream-id"], []
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    seen.append(line[6:].strip().decode())
+                if len(seen) == 7:
+                    break                   # the connection drops here
+        async with http.get(f"{stack.url}/v1/streams/{sid}",
+                            headers={"Last-Event-ID": str(len(seen))}) as r:
+            rest = [d for _, d in parse_sse(await r.text())]
+    assert rest[-1] == "[DONE]"
+    events = seen + rest[:-1]
+    text = "".join(json.loads(d)["choices"][0]["text"] for d in events if json.loads(d)["choices"])
+    stamps = read_stamps(text)
+    assert len(stamps) == 30 and stamps == sorted(set(stamps)), stamps
