@@ -31,6 +31,7 @@ from . import openai_protocol as oai
 from .metrics import EdgeMetrics, observe_all
 from . import sse, websocket
 from .admission import Admission, pool_capacity
+from .choices import Choice, TokenText
 from .events import Renderer
 from .keys import APIKey, KeyRing
 from .openapi import SPEC
@@ -110,13 +111,32 @@ async def _errors(request: web.Request, handler):
         return _error_response(oai.APIError(e.status, e.reason, type=kind))
 
 
-def _sampling(s: oai.SamplingOptions, max_tokens: int) -> common_pb2.SamplingParams:
+def _sampling(req: oai.CompletionRequest, max_tokens: int, index: int = 0
+              ) -> common_pb2.SamplingParams:
+    """Choice `index`'s engine sampling: a seed goes up by one per choice, as vLLM's
+    children of an n > 1 request get theirs."""
+    s = req.sampling
     p = common_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
         stop=list(s.stop), ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty)
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p, min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias),
+        stop_token_ids=list(s.stop_token_ids),
+        include_stop_str_in_output=s.include_stop_str_in_output)
     if s.seed is not None:
-        p.seed = s.seed
+        p.seed = s.seed + index
+    # Completions show one alternative more than asked (choices.py): ask the engine for it.
+    more = int(req.kind == "completion")
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs + more
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs + more
+    if s.constraint is not None:
+        kind, value = s.constraint
+        if kind == "choice":
+            p.choice.choices.extend(value)
+        else:
+            setattr(p, kind, value)
     return p
 
 
@@ -143,27 +163,35 @@ def _budget(request: web.Request, cfg: EdgeConfig) -> float:
 
 
 async def begin(request: web.Request, kind: oai.Kind, raw: bytes
-                ) -> tuple[oai.CompletionRequest, GenerationStream]:
-    """Validate, tokenize, route and prefill one request (HTTP or WebSocket); raises
-    APIError (counted) when it cannot start."""
+                ) -> tuple[oai.CompletionRequest, list[GenerationStream]]:
+    """Validate, tokenize, route and prefill one request (HTTP or WebSocket): a
+    generation per choice (`n`); raises APIError (counted) when it cannot start."""
     cfg, metrics = request.app[CONFIG], request.app[METRICS]
     started = time.perf_counter()
     rid = oai.completion_id(kind)
+    streams: list[GenerationStream] = []
     try:
         deadline = time.monotonic() + _budget(request, cfg)
         req = oai.parse_request(kind, raw, {cfg.name})
         ids = request.app[ENCODER].encode(req)
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens:]     # vLLM keeps the prompt's end
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
-        rate_headers = request.app[LIMITS].take(request[CALLER], len(ids) + max_tokens)
-        gen = Generation(request_id=rid, model=cfg.name, prompt_token_ids=ids,
-                         sampling=_sampling(req.sampling, max_tokens),
-                         session_id=_session_key(request, req), deadline=deadline, kind=kind)
-        stream = await place(request.app, request[CALLER], gen, started)
+        rate_headers = request.app[LIMITS].take(request[CALLER],
+                                                len(ids) + req.n * max_tokens)
+        for index in range(req.n):
+            gen = Generation(request_id=rid if index == 0 else f"{rid}-{index}", model=cfg.name,
+                             prompt_token_ids=ids, sampling=_sampling(req, max_tokens, index),
+                             session_id=_session_key(request, req), deadline=deadline,
+                             kind=kind)
+            streams.append(await place(request.app, request[CALLER], gen, started))
     except oai.APIError as e:
+        for stream in streams:              # choices placed before one failed
+            _generation_ended(request.app, stream)
         metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
         raise
-    stream.stats["rate_headers"] = rate_headers
-    return req, stream
+    streams[0].stats["rate_headers"] = rate_headers
+    return req, streams
 
 
 async def place(app: web.Application, key: APIKey, gen: Generation, started: float
@@ -210,13 +238,31 @@ def admitted(app: web.Application, stream: GenerationStream, started: float) -> 
     metrics.running.labels(cfg.name).inc()
 
 
-def start_stream(request: web.Request, req: oai.CompletionRequest, stream: GenerationStream
-                 ) -> LiveStream:
+def _renderer(app: web.Application, req: oai.CompletionRequest,
+              streams: list[GenerationStream]) -> Renderer:
+    """How the request's choices render (choices.py)."""
+    encoder = app[ENCODER]
+    tokens = TokenText(encoder.tokenizer) if req.sampling.logprobs is not None else None
+    echo = None
+    if req.echo:
+        echo = (req.prompt if isinstance(req.prompt, str)
+                else encoder.tokenizer.decode(list(req.prompt)))
+    choices = [Choice(i, req.kind, tokens=tokens, logprobs=req.sampling.logprobs, echo=echo,
+                      tool_stream=encoder.tool_stream(req.tools), tool_request=req.tools)
+               for i in range(len(streams))]
+    return Renderer(req.kind, req.include_usage, streams, req.model, choices,
+                    on_choice_end=lambda stream: _generation_ended(app, stream))
+
+
+def start_stream(request: web.Request, req: oai.CompletionRequest,
+                 streams: list[GenerationStream]) -> LiveStream:
     """Hand the generation to its stream: from now on it runs for the stream's
     readers, not for one connection."""
-    renderer = Renderer(req.kind, req.include_usage, stream, req.model)
-    return request.app[STREAMS].start(stream, renderer.payloads(), owner=request[CALLER].key_id,
-                                      step=renderer.payload)
+    renderer = _renderer(request.app, req, streams)
+    # One choice's steady outputs may be rendered from the call that read them.
+    step = renderer.payload if len(streams) == 1 else None
+    return request.app[STREAMS].start(streams[0], renderer.payloads(),
+                                      owner=request[CALLER].key_id, step=step)
 
 
 def _plain_framing(request: web.Request) -> bool:
@@ -231,7 +277,8 @@ def _plain_framing(request: web.Request) -> bool:
 
 async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:
     plain = _plain_framing(request)
-    req, stream = await begin(request, kind, await request.read())
+    req, streams = await begin(request, kind, await request.read())
+    stream = streams[0]
     rid, metrics = stream.gen.request_id, request.app[METRICS]
     # x-pdserve-path is set when the response starts: the decode's first output can
     # still turn a disaggregated request local (see GenerationStream._first_chunk).
@@ -241,10 +288,11 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
                **stream.stats["rate_headers"]}
     if req.stream:
         return await _stream_response(request, _ENDPOINT[kind],
-                                      start_stream(request, req, stream), headers, plain)
+                                      start_stream(request, req, streams), headers, plain)
     status = "200"
     try:
-        return await _relay_json(request, req, stream, headers)
+        body = await _renderer(request.app, req, streams).response()
+        return web.json_response(body, headers=headers | {"x-pdserve-path": stream.path})
     except oai.APIError as e:
         status = str(e.status)
         return _error_response(e, headers | {"x-pdserve-path": stream.path})
@@ -287,19 +335,6 @@ def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
              stream.gen.request_id, stream.path, len(stream.gen.prompt_token_ids),
              stream.completion_tokens, stream.finish_reason, len(stream.migrations),
              (time.perf_counter() - started) * 1000)
-
-
-async def _relay_json(request, req: oai.CompletionRequest, stream: GenerationStream,
-                      headers) -> web.Response:
-    texts = []
-    async with contextlib.aclosing(stream.chunks()) as chunks:
-        async for chunk in chunks:
-            texts.append(chunk.text)
-    created, text = int(time.time()), "".join(texts)
-    build = oai.chat_response if req.kind == "chat" else oai.completion_response
-    body = build(stream.gen.request_id, req.model, created, text, stream.finish_reason or "stop",
-                 len(stream.gen.prompt_token_ids), stream.completion_tokens)
-    return web.json_response(body, headers=headers | {"x-pdserve-path": stream.path})
 
 
 async def _stream_response(request: web.Request, endpoint: str, live: LiveStream,

@@ -37,6 +37,7 @@ class StopRule:
 
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
+    include_stop: bool = False                       # the text ends after the stop string
 
 
 def byte_level_alphabet() -> list[str]:
@@ -145,7 +146,8 @@ class TextStream:
                 best = (at, s)
         if best is None:
             return False
-        self._unsent, self.stop_string = text[:best[0]], best[1]
+        end = best[0] + (len(best[1]) if self._rule.include_stop else 0)
+        self._unsent, self.stop_string = text[:end], best[1]
         return True
 
     def _take(self, upto: int, text: str | None = None) -> str:

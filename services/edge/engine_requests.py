@@ -24,20 +24,40 @@ def _seed32(seed: int) -> int:
 
 
 def engine_sampling(p: common_pb2.SamplingParams, *, max_tokens: int,
-                    stop: bool = True) -> vllm_engine_pb2.SamplingParams:
-    """Engine sampling params; `stop=False` leaves stop strings out (a prefill's one
-    token needs no detokenizing)."""
+                    prefill: bool = False) -> vllm_engine_pb2.SamplingParams:
+    """Engine sampling params. `prefill`: for a prefill's one token, which needs no stop
+    strings (no detokenizing), no logprobs and no grammar (its token goes to the client
+    only when none is asked for: `continues_from_prefill_token`)."""
     s = vllm_engine_pb2.SamplingParams(
         temperature=p.temperature, top_p=p.top_p or 1.0, top_k=max(p.top_k, 0),
-        max_tokens=max_tokens, stop=list(p.stop) if stop else [],
+        max_tokens=max_tokens, stop=[] if prefill else list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty or 1.0,
+        min_p=p.min_p, min_tokens=min(p.min_tokens, max_tokens), logit_bias=dict(p.logit_bias),
+        include_stop_str_in_output=p.include_stop_str_in_output,
         # vLLM's own defaults (the protocol's zero values are the opposite).
         skip_special_tokens=True, spaces_between_special_tokens=True)
     if p.HasField("seed"):
         s.seed = _seed32(p.seed)
+    if prefill:
+        return s
+    if p.HasField("logprobs"):
+        s.logprobs = p.logprobs
+    if p.HasField("prompt_logprobs"):
+        s.prompt_logprobs = p.prompt_logprobs
+    kind = p.WhichOneof("constraint")
+    if kind == "choice":
+        s.choice.choices.extend(p.choice.choices)
+    elif kind is not None:
+        setattr(s, kind, getattr(p, kind))
     return s
+
+
+def constrained(p: common_pb2.SamplingParams) -> bool:
+    """Whether a grammar holds the output: its state lives in the engine, so a leg cannot
+    go on after tokens another engine made (a prefill's, a failed worker's)."""
+    return p.WhichOneof("constraint") is not None
 
 
 def prefill_request(request_id: str, prompt_ids: list[int],
@@ -45,7 +65,7 @@ def prefill_request(request_id: str, prompt_ids: list[int],
     """Compute the prompt's KV and one token; the engine keeps the blocks for a decoder."""
     return vllm_engine_pb2.GenerateRequest(
         request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt_ids),
-        sampling_params=engine_sampling(sampling, max_tokens=1, stop=False), stream=False,
+        sampling_params=engine_sampling(sampling, max_tokens=1, prefill=True), stream=False,
         kv_transfer_params_json=json.dumps(request_params_for_prefill()))
 
 
@@ -58,7 +78,12 @@ def continues_from_prefill_token(sampling: common_pb2.SamplingParams,
     apart from the prompt. Greedy always qualifies; with sampling, a seed (the decode
     engine's generator would start one draw late) and presence/frequency penalties
     (they count output tokens only; vLLM's repetition penalty counts the prompt too)
-    do not."""
+    do not. Nor does a request that asks for logprobs or prompt logprobs (the prefill's
+    token has none) or holds the output to a grammar (the decode engine's would start
+    over)."""
+    if sampling.HasField("logprobs") or sampling.HasField("prompt_logprobs") \
+            or constrained(sampling):
+        return False
     computed = prefill_params.get("remote_num_tokens")
     if not isinstance(computed, int) or isinstance(computed, bool) or computed <= 0:
         return False

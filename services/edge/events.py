@@ -2,16 +2,20 @@
 `data:` and WebSocket sends as `data` of a chunk frame.
 
 Each payload is rendered once, as compact ASCII JSON text, and shared by every
-reader of the stream (see stream_log.py).
+reader of the stream (see stream_log.py). A request with `n` choices has one
+GenerationStream per choice; their chunks go out interleaved as they come,
+each with its choice's index, as OpenAI streams them.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from . import openai_protocol as oai
+from .choices import Choice
 from .generation import Chunk, GenerationStream
 
 
@@ -38,52 +42,130 @@ def _text_template(chunk: dict) -> tuple[str, str]:
 
 
 class Renderer:
-    """One generation's chunks as payload batches: one per chunk with text, then
-    the finish chunk (and usage when asked). `payload()` is the step for one chunk,
-    which a caller may take synchronously (GenerationStream.on_chunk); `payloads()`
-    iterates the stream's chunks through the same step."""
+    """A request's chunks as payload batches: per chunk with output, the choice's
+    delta; then each choice's finish chunk (and usage when asked). `payload()` is the
+    step for one chunk of a one-choice request, which a caller may take synchronously
+    (GenerationStream.on_chunk); `payloads()` iterates the streams' chunks through
+    the same steps. `choices[i]` renders stream i's output (choices.py)."""
 
-    def __init__(self, kind: oai.Kind, include_usage: bool, stream: GenerationStream,
-                 model: str):
-        self.kind, self.include_usage, self.stream, self.model = kind, include_usage, stream, model
-        self.rid, self.created = stream.gen.request_id, int(time.time())
-        rid, created = self.rid, self.created
-        self._before, self._after = _text_template(
-            oai.chat_chunk(rid, model, created, content=_HOLE) if kind == "chat"
-            else oai.completion_chunk(rid, model, created, text=_HOLE))
-        # Chat opens with the assistant's role. It goes out with the first text, as
-        # vLLM's server sends it (with its first output), not before: an empty
-        # event ahead of the first token would only make the stream look faster
-        # to a client that times its first event.
-        self._opening = ([payload(oai.chat_chunk(rid, model, created, role="assistant",
-                                                 content=""))]
-                         if kind == "chat" else [])
+    def __init__(self, kind: oai.Kind, include_usage: bool, streams: list[GenerationStream],
+                 model: str, choices: list[Choice],
+                 on_choice_end: Callable[[GenerationStream], None] = lambda s: None):
+        self.kind, self.include_usage, self.model = kind, include_usage, model
+        self.streams, self.choices, self.on_choice_end = streams, choices, on_choice_end
+        self.stream = streams[0]
+        self.rid, self.created = self.stream.gen.request_id, int(time.time())
+        self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        # A choice's plain text is a template filled per chunk (the common case).
+        self._templates = [_text_template(self._chunk([c.text_delta(_HOLE)]))
+                           for c in choices]
 
-    def payload(self, chunk: Chunk) -> list[str]:
-        """The payloads of one chunk (none for a chunk without text)."""
-        if not chunk.text:
-            return []
-        out = self._opening + [self._before + _json_string(chunk.text) + self._after]
-        self._opening = []
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.rid, "object": self.obj, "created": self.created,
+               "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
         return out
 
+    def payload(self, chunk: Chunk) -> list[str]:
+        """The payloads of one chunk of choice 0 (none for a chunk with no output)."""
+        return self._payloads(0, chunk)
+
+    def _payloads(self, index: int, chunk: Chunk) -> list[str]:
+        choice = self.choices[index]
+        if choice.plain:
+            if not chunk.text:
+                return []
+            before, after = self._templates[index]
+            return [payload(self._chunk([d])) for d in choice.opening()] + [
+                before + _json_string(chunk.text) + after]
+        return [payload(self._chunk([d]))
+                for d in choice.deltas(chunk, self.streams[index].prompt_logprobs)]
+
+    def _last(self, index: int) -> list[str]:
+        stream, choice = self.streams[index], self.choices[index]
+        out = [payload(self._chunk([d])) for d in choice.opening()]
+        return out + [payload(self._chunk([d]))
+                      for d in choice.closing(stream.finish_reason or "stop")]
+
+    def usage(self) -> dict:
+        """The request's token counts, as OpenAI reports them."""
+        prompt = len(self.stream.gen.prompt_token_ids)
+        completion = sum(s.completion_tokens for s in self.streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.stream.cached_tokens}}
+
     async def payloads(self) -> AsyncIterator[list[str]]:
-        """Payload batches as the decode worker's chunks arrive. APIError propagates."""
-        stream, rid, created, model = self.stream, self.rid, self.created, self.model
-        async with contextlib.aclosing(stream.chunks()) as chunks:
-            async for chunk in chunks:
-                if out := self.payload(chunk):
-                    yield out
-        finish = stream.finish_reason or "stop"
-        last = self._opening + [
-            payload(oai.chat_chunk(rid, model, created, content=None, finish_reason=finish))
-            if self.kind == "chat" else
-            payload(oai.completion_chunk(rid, model, created, text="", finish_reason=finish))]
+        """Payload batches as the decode workers' chunks arrive. APIError propagates."""
+        if len(self.streams) == 1:
+            async with contextlib.aclosing(self.stream.chunks()) as chunks:
+                async for chunk in chunks:
+                    if out := self._payloads(0, chunk):
+                        yield out
+            last = self._last(0)
+        else:
+            last = []
+            async with contextlib.aclosing(self._interleaved()) as outputs:
+                async for index, chunk in outputs:
+                    if chunk is None:
+                        last += self._last(index)
+                    elif out := self._payloads(index, chunk):
+                        yield out
         if self.include_usage:
-            last.append(payload(oai.usage_chunk(self.kind, rid, model, created,
-                                                len(stream.gen.prompt_token_ids),
-                                                stream.completion_tokens)))
+            last.append(payload(self._chunk([], self.usage())))
         yield last
+
+    async def _interleaved(self) -> AsyncIterator[tuple[int, Chunk | None]]:
+        """(choice index, chunk) as each stream yields them; (index, None) at its end."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: GenerationStream) -> None:
+            try:
+                async with contextlib.aclosing(stream.chunks()) as chunks:
+                    async for chunk in chunks:
+                        queue.put_nowait((index, chunk, None))
+                queue.put_nowait((index, None, None))
+            except Exception as e:  # noqa: BLE001 (handed to the reader, raised there)
+                queue.put_nowait((index, None, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            for _ in range(len(tasks)):
+                while True:
+                    index, chunk, error = await queue.get()
+                    if error is not None:
+                        raise error
+                    yield index, chunk
+                    if chunk is None:
+                        break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in self.streams[1:]:
+                self.on_choice_end(stream)
+
+    async def response(self) -> dict:
+        """The whole answer as one chat.completion / text_completion object."""
+        async def run(index: int, stream: GenerationStream) -> None:
+            async with contextlib.aclosing(stream.chunks()) as chunks:
+                async for chunk in chunks:
+                    self.choices[index].add(chunk, stream.prompt_logprobs)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i, s in enumerate(self.streams):
+                    group.create_task(run(i, s))
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        finally:
+            for stream in self.streams[1:]:
+                self.on_choice_end(stream)
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": [c.whole(s.finish_reason or "stop")
+                            for c, s in zip(self.choices, self.streams)],
+                "usage": self.usage()}
 
 
 async def render_inference(stream: GenerationStream) -> AsyncIterator[list[str]]:

@@ -57,7 +57,7 @@ from transfer.connector import lease_is_fresh
 
 from .batched import BatchedLeg
 from .detokenizer import TextStream
-from .engine_requests import decode_request
+from .engine_requests import constrained, decode_request
 from .openai_protocol import APIError
 
 log = logging.getLogger("pdserve.edge")
@@ -107,6 +107,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None            # "stop" | "length" | "abort" on the last
+    logprobs: Any = None                        # the engine's OutputLogProbs, when asked for
 
 
 @dataclass(slots=True)
@@ -204,6 +205,7 @@ class GenerationStream:
     # (neither the leg's first nor its last) from the call that read them, and no
     # task wakes per token (`_steady`).
     on_chunk: Callable[[Chunk], None] | None = None
+    prompt_logprobs: Any = None                 # the engine's InputLogProbs, when asked for
     _last_output: float = 0.0                   # loop.time() of the leg's last output
     _last_token_at: float = 0.0                 # perf_counter() of the last output with tokens
     _stalled: bool = False
@@ -218,6 +220,14 @@ class GenerationStream:
     @property
     def completion_tokens(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was cached where the prompt was computed: the prefill
+        worker's prefix hit, or the decode worker's when it prefilled locally."""
+        if self.stats.get("decode_external_tokens"):
+            return self.stats.get("prefill_cached_tokens", 0)
+        return self.stats.get("decode_cached_tokens", 0)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Chunks in order, across moves; leaving early cancels the call and aborts
@@ -275,6 +285,7 @@ class GenerationStream:
             sampling = common_pb2.SamplingParams()
             sampling.CopyFrom(self.gen.sampling)
             sampling.max_tokens -= sent
+            sampling.min_tokens = max(0, sampling.min_tokens - sent)
             if sampling.max_tokens <= 0:        # the last token came, its end did not
                 self.finish_reason = "length"
                 yield self._end_chunk()
@@ -317,9 +328,12 @@ class GenerationStream:
                                   c.cached_tokens >= len(req.tokenized.input_ids) - 1)
                     if first_leg:
                         self._first_chunk(c.cached_tokens)
+                        if c.HasField("input_logprobs"):
+                            self.prompt_logprobs = c.input_logprobs
                 if not c.token_ids:
                     continue
-                chunk = self._tokens(list(c.token_ids))     # read out of the message once
+                chunk = self._tokens(list(c.token_ids),     # read out of the message once
+                                     c.output_logprobs if c.HasField("output_logprobs") else None)
                 yield chunk
                 if chunk.finish_reason is not None:
                     return                      # the edge saw the stop string first
@@ -363,8 +377,8 @@ class GenerationStream:
         """The stream's last chunk, once `finish_reason` is known: the text held back."""
         return Chunk([], self.text.finish(), self.finish_reason)
 
-    def _tokens(self, ids: list[int]) -> Chunk:
-        """Output tokens taken into the stream: timings, ids, text."""
+    def _tokens(self, ids: list[int], logprobs=None) -> Chunk:
+        """Output tokens taken into the stream: timings, ids, text (and their logprobs)."""
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
@@ -375,8 +389,8 @@ class GenerationStream:
         text = self.text.add(ids)
         if self.text.stop_string is not None:
             self.finish_reason = "stop"         # the edge saw the stop string: it ends here
-            return Chunk(ids, text, "stop")
-        return Chunk(ids, text)
+            return Chunk(ids, text, "stop", logprobs)
+        return Chunk(ids, text, logprobs=logprobs)
 
     def _steady(self, resp: vllm_engine_pb2.GenerateResponse) -> bool:
         """An output of the current batched leg, handed over by the call's reader
@@ -390,7 +404,9 @@ class GenerationStream:
         self._last_output = self.heard.at[self.leg.worker_id] = \
             asyncio.get_running_loop().time()
         if ids := resp.chunk.token_ids:
-            self.on_chunk(self._tokens(list(ids)))
+            c = resp.chunk
+            self.on_chunk(self._tokens(list(ids), c.output_logprobs
+                                       if c.HasField("output_logprobs") else None))
         return True
 
     def preempt(self) -> bool:
@@ -399,7 +415,8 @@ class GenerationStream:
         admitted again. False when it cannot now: it was just preempted, or its last
         output came."""
         if (self.readmit is None or self._preempted or self.finish_reason is not None
-                or len(self.output_ids) >= self.gen.sampling.max_tokens):
+                or len(self.output_ids) >= self.gen.sampling.max_tokens
+                or (self.output_ids and constrained(self.gen.sampling))):
             return False
         self._preempted = True
         if self._call is None:                  # between legs: the next one pauses first
@@ -478,6 +495,14 @@ class GenerationStream:
         old, began = self.leg, time.perf_counter()
         old.abandon(self.aborts, f"request {self.gen.request_id} moved off {old.worker_id}")
         self.failed[old.worker_id] = time.monotonic()
+        if self.output_ids and constrained(self.gen.sampling):
+            # The grammar's state lived in the failed engine: another would start it over.
+            log.warning("request %s: decode worker %s failed (%s) after %d tokens of "
+                        "structured output, which cannot move", self.gen.request_id,
+                        old.worker_id, failure, len(self.output_ids))
+            raise APIError(503, f"decode worker {old.worker_id} failed ({failure}); a "
+                           "structured output cannot move to another worker once started",
+                           type="service_unavailable")
         if len(self.migrations) >= self.resilience.max_migrations:
             log.warning("request %s: decode worker %s failed (%s); %d moves already, giving up",
                         self.gen.request_id, old.worker_id, failure, len(self.migrations))

@@ -43,6 +43,9 @@ def _check_sampling(p: common_pb2.SamplingParams) -> None:
         raise APIError(400, "sampling.top_p must be in [0, 1] (0 = default 1)")
     if p.top_k < 0 or p.repetition_penalty < 0:
         raise APIError(400, "sampling.top_k and sampling.repetition_penalty must be >= 0")
+    for name in ("logprobs", "prompt_logprobs"):       # its chunks carry none
+        if p.HasField(name):
+            raise APIError(400, f"sampling.{name} is not supported by the Inference API")
 
 
 def _status_of(error: dict) -> grpc.StatusCode:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Collection, Literal
+
+from . import parameters
 
 Kind = Literal["chat", "completion"]
 
@@ -24,6 +26,8 @@ _INT32_MAX = 2**31 - 1
 _MAX_STOP = 4
 _MAX_STOP_CHARS = 256
 _MAX_MESSAGES = 1024
+_MAX_CHOICES = 16
+_TOOL_KEYS = frozenset({"tool_calls", "tool_call_id", "name", "function_call"})
 
 
 class APIError(Exception):
@@ -60,6 +64,14 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None             # top alternatives per output token; None = none
+    prompt_logprobs: int | None = None      # the same per prompt token (echo)
+    constraint: tuple[str, Any] | None = None   # (kind, value): parameters.response_format
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +93,11 @@ class CompletionRequest:
     echo: bool
     user: str | None
     session_id: str | None
+    n: int = 1
+    tools: Any = None                       # tools.ToolRequest, when the request has tools
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None  # None: the endpoint's default
+    template_options: tuple[tuple[str, Any], ...] = ()  # chat template arguments
 
 
 def _bad(message: str, param: str | None) -> APIError:
@@ -200,6 +217,12 @@ def _parse_messages(body: dict) -> tuple[dict, ...]:
         # isinstance first: an unhashable role would make the set lookup raise.
         if not isinstance(role, str) or role not in _ROLES:
             raise _bad(f"'{where}.role' must be one of {sorted(_ROLES)}", f"{where}.role")
+        if _TOOL_KEYS.intersection(msg) or (role == "assistant" and msg.get("content") is None):
+            from .tools import template_message     # tools.py raises this module's APIError
+            shaped = template_message(msg, where)
+            shaped["content"] = _flatten_content(shaped["content"], f"{where}.content")
+            out.append(shaped)
+            continue
         content = _flatten_content(msg.get("content"), f"{where}.content")
         out.append({"role": role, "content": content})
     return tuple(out)
@@ -247,6 +270,11 @@ def _parse_sampling(kind: Kind, body: dict) -> SamplingOptions:
         newer = _int(body, "max_completion_tokens", lo=1)
         max_tokens = max_tokens if newer is None else newer
     top_k = _int(body, "top_k", lo=-1, hi=_INT32_MAX)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(
+            type(t) is int and 0 <= t <= _INT32_MAX for t in stop_ids)):
+        raise _bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+    constraint = _constraint(body)
     return SamplingOptions(
         temperature=_float(body, "temperature", 1.0, 0.0, 2.0, "between 0 and 2"),
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", lo_open=True),
@@ -260,18 +288,75 @@ def _parse_sampling(kind: Kind, body: dict) -> SamplingOptions:
         repetition_penalty=_float(
             body, "repetition_penalty", 1.0, 0.0, None, "greater than 0", lo_open=True
         ),
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0, "between 0 and 1"),
+        min_tokens=_int(body, "min_tokens", lo=0, hi=_INT32_MAX) or 0,
+        logit_bias=_refusing(parameters.logit_bias, body.get("logit_bias"), _INT32_MAX),
+        stop_token_ids=tuple(stop_ids or ()),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        logprobs=_logprobs(kind, body),
+        prompt_logprobs=_logprobs(kind, body) if kind == "completion" and _bool(body, "echo")
+        else None,
+        constraint=constraint,
     )
 
 
-def _reject_unsupported(body: dict) -> None:
-    n = _int(body, "n", lo=1)
-    if n is not None and n > 1:
-        raise _bad("n > 1 is not supported", "n")
-    # Ignoring tools would answer in prose where the client expects a tool
-    # call; failing loudly is kinder than a silently wrong response.
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise _bad(f"'{key}' is not supported by this server", key)
+def _parse_tools(body: dict):
+    from .tools import parse_tools          # tools.py raises this module's APIError
+    return parse_tools(body)
+
+
+def _refusing(read, *args):
+    try:
+        return read(*args)
+    except parameters.Refused as e:
+        raise _bad(str(e), e.param) from None
+
+
+def _logprobs(kind: Kind, body: dict) -> int | None:
+    """How many alternatives per token to return (None: no logprobs)."""
+    cap = parameters.MAX_TOP_LOGPROBS[kind]
+    if kind == "completion":
+        return _int(body, "logprobs", lo=0, hi=cap)
+    top = _int(body, "top_logprobs", lo=0, hi=cap)
+    if not _bool(body, "logprobs"):
+        if top:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def _constraint(body: dict) -> tuple[str, Any] | None:
+    formats = _refusing(parameters.response_format, body.get("response_format"))
+    outputs = _refusing(parameters.structured_outputs, body.get("structured_outputs"))
+    if formats and outputs:
+        raise _bad("'response_format' and 'structured_outputs' cannot both constrain the "
+                   "output", "structured_outputs")
+    return formats or outputs
+
+
+def _choices(body: dict) -> int:
+    """`n`, and `best_of` where it asks for nothing more than n (vLLM has no best_of)."""
+    n = _int(body, "n", lo=1, hi=_MAX_CHOICES) or 1
+    best_of = _int(body, "best_of", lo=1)
+    if best_of is not None and best_of != n:
+        raise _bad("'best_of' other than 'n' is not supported", "best_of")
+    return n
+
+
+def _template_options(kind: Kind, body: dict) -> tuple[tuple[str, Any], ...]:
+    """The chat template's arguments a chat request may set."""
+    if kind != "chat":
+        return ()
+    out = []
+    for key in ("add_generation_prompt", "continue_final_message"):
+        if body.get(key) is not None:
+            out.append((key, _bool(body, key)))
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        out.append(("chat_template_kwargs", json.dumps(kwargs, sort_keys=True)))
+    return tuple(out)
 
 
 def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> CompletionRequest:
@@ -284,10 +369,16 @@ def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> Com
         msg = f"The model `{model}` does not exist."
         raise APIError(404, msg, param="model", code="model_not_found")
 
+    _refusing(parameters.check_known, kind, body)
     messages = _parse_messages(body) if kind == "chat" else ()
     prompt = _parse_prompt(body) if kind == "completion" else None
-    _reject_unsupported(body)
+    tool_request = _parse_tools(body) if kind == "chat" else None
     sampling = _parse_sampling(kind, body)
+    if tool_request is not None and (forced := tool_request.constraint()) is not None:
+        if sampling.constraint is not None:
+            raise _bad("a forced tool call cannot be combined with 'response_format'",
+                       "tool_choice")
+        sampling = replace(sampling, constraint=("json_schema", forced))
 
     stream = _bool(body, "stream")
     options = body.get("stream_options")
@@ -300,8 +391,6 @@ def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> Com
 
     # Chat has no echo in OpenAI's API, so only completions read the field.
     echo = kind == "completion" and _bool(body, "echo")
-    if echo:
-        raise _bad("'echo' is not supported by this server", "echo")
     session_id = _optional_str(body, "session_id")
     if session_id == "":
         raise _bad("'session_id' must not be empty", "session_id")
@@ -309,7 +398,12 @@ def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> Com
     return CompletionRequest(
         kind=kind, model=model, messages=messages, prompt=prompt, sampling=sampling,
         stream=stream, include_usage=include_usage, echo=echo,
-        user=_optional_str(body, "user"), session_id=session_id,
+        user=_optional_str(body, "user"), session_id=session_id, n=_choices(body),
+        tools=tool_request,
+        truncate_prompt_tokens=_int(body, "truncate_prompt_tokens", lo=1, hi=_INT32_MAX),
+        add_special_tokens=None if body.get("add_special_tokens") is None
+        else _bool(body, "add_special_tokens"),
+        template_options=_template_options(kind, body),
     )  # fmt: skip
 
 

@@ -49,7 +49,8 @@ def _stop_rule(tokenizer, s) -> StopRule:
     ids = set(s.stop_token_ids)
     if not s.ignore_eos and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    return StopRule(stop=tuple(s.stop), stop_token_ids=frozenset(ids))
+    return StopRule(stop=tuple(s.stop), stop_token_ids=frozenset(ids),
+                    include_stop=s.include_stop_str_in_output)
 
 
 class Orchestrator:
@@ -162,7 +163,9 @@ class Orchestrator:
         stats: dict = {"placement": decision.reason.split(":")[0], "reason": decision.reason,
                        "cached_tokens": decision.cached_tokens}
         failed = 0
-        while not decision.local_prefill:
+        # Prompt logprobs come from the engine that computes the prompt: the decode's.
+        remote = not decision.local_prefill and not gen.sampling.HasField("prompt_logprobs")
+        while remote and not decision.local_prefill:
             params, token, leg = await self._prefill(gen, request_id, prompt, decision.prefill)
             if params is not None:
                 stats.update(leg)
@@ -240,7 +243,7 @@ class Orchestrator:
         stub = self._engine(worker.address)
         started = time.perf_counter()
         budget = gen.remaining()
-        token = None
+        token, cached = None, 0
         try:
             params = None
             call = stub.Generate(prefill_request(request_id, prompt, gen.sampling),
@@ -254,6 +257,7 @@ class Orchestrator:
                     params = json.loads(resp.complete.kv_transfer_params_json)
                     if len(resp.complete.output_ids) == 1:
                         token = resp.complete.output_ids[0]
+                    cached = resp.complete.cached_tokens
             if params is not None:
                 # The answer is in: the decode starts now. The call's status follows
                 # the worker's own bookkeeping after its last message; it is read in
@@ -277,8 +281,8 @@ class Orchestrator:
         except ValueError as e:
             log.warning("prefill of %s on %s failed (%s)", request_id, worker.worker_id, e)
             return None, None, {}
-        return params, token, {"prefill_worker": worker.worker_id,
-                        "prefill_ms": (time.perf_counter() - started) * 1000}
+        return params, token, {"prefill_worker": worker.worker_id, "prefill_cached_tokens": cached,
+                               "prefill_ms": (time.perf_counter() - started) * 1000}
 
     def _abort_prefill(self, worker: router_pb2.WorkerInfo, request_id: str, why: str) -> None:
         """Drop a prefill leg that will not be used: the engine's request (it may still
