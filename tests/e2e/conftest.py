@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
 import pytest
 
 from cases import CASES
+from parity import CASES as PARITY
 from pdserve.bench.otlp_collector import Collector
 from support import Proc, alive, free_port, free_port_run, pdserve_cmd
 
@@ -24,6 +26,14 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def post_any(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    """(status, JSON body) of a POST, errors included."""
+    try:
+        return 200, _post(url, body, timeout)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
 
 
 def _wait_http(url: str, proc: Proc, timeout: float) -> None:
@@ -77,6 +87,11 @@ def reference(model_dir) -> dict[str, dict]:
                              case.body(str(model_dir), False) | {"prompt": ids})
                 out[f"{case.name}/no-special-tokens"] = {"text": _output(case.kind, resp),
                                                          "usage": resp["usage"]}
+        # Each parameter's answer (tests/e2e/test_parameters.py).
+        for name, (kind, body) in PARITY.items():
+            path = "chat/completions" if kind == "chat" else "completions"
+            out[f"parity/{name}"] = post_any(f"http://127.0.0.1:{port}/v1/{path}",
+                                             {"model": str(model_dir), **body})
         return out
     finally:
         proc.stop(timeout=60)
