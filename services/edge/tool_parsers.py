@@ -90,10 +90,10 @@ def _call_of(text: str) -> tuple[str, str] | None:
 
 def _overlap(text: str, marker: str) -> int:
     """Length of the longest proper prefix of marker that text ends with."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
+    # NOTE: the markers hold their first character ("<") once, so an overlap can
+    # only start at the last one in reach: one rfind instead of a loop per token.
+    i = text.rfind(marker[0], max(len(text) - len(marker) + 1, 0))
+    return len(text) - i if i >= 0 and marker.startswith(text[i:]) else 0
 
 
 def _skip(text: str, pos: int, chars: str) -> int:
