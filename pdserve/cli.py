@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from pdserve import telemetry
-from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterConfig, WorkerConfig
+from pdserve.config import (TOOL_CALL_PARSERS, EdgeConfig, EngineConfig, KVTransferConfig,
+                            RouterConfig, WorkerConfig)
 
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
 
@@ -89,7 +90,7 @@ EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queu
               "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds",
               "prefill_timeout_seconds", "prefill_attempts", "decode_stall_seconds",
               "decode_first_token_seconds", "max_migrations", "decode_calls",
-              "decode_window_bytes", "first_token")
+              "decode_window_bytes", "first_token", "tool_call_parser")
 
 
 def _add_edge_flags(p: argparse.ArgumentParser) -> None:
@@ -153,6 +154,11 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                    help="each call to a worker's HTTP/2 receive window, fixed (0: gRPC's, "
                         "which grows): a worker streaming to an edge that fell behind waits "
                         "at this many unread bytes, and sends what it made meanwhile together")
+    g.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS),
+                   default=_env("PDSERVE_TOOL_CALL_PARSER", d.tool_call_parser),
+                   help="how tool_choice auto reads calls in the model's output: auto (by "
+                        "the model's chat template: Hermes <tool_call> or Llama 3 JSON), a "
+                        "parser by name, or none (tool_choice auto is then a 400)")
     g.add_argument("--first-token", choices=["prefill", "decode"],
                    default=_env("PDSERVE_FIRST_TOKEN", d.first_token),
                    help="on the disaggregated path, the client's first token: the prefill "

@@ -19,6 +19,8 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
+# The edge's tool-call parsers by name ("auto": by the model's chat template; "none").
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 # The edge's HTTP/2 receive window on calls to workers (EdgeConfig.decode_window_bytes).
 DECODE_WINDOW_BYTES = 8192
 
@@ -199,10 +201,16 @@ class EdgeConfig:
     # the prefill answers (the decode worker then goes on after it; where it can, see
     # README), or the decode engine's, after the KV handover (a steadier first gap).
     first_token: str = "prefill"
+    # How tool_choice "auto" reads calls out of the model's text: "auto" picks the
+    # parser the model's chat template implies (services/edge/tool_parsers.py).
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a path or a model name")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.first_token not in ("prefill", "decode"):
             raise ValueError(f"first_token must be prefill or decode, got {self.first_token!r}")
         if self.stream_store != "memory" and not self.stream_store.startswith("redis://"):

@@ -173,9 +173,8 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
     try:
         deadline = time.monotonic() + _budget(request, cfg)
         req = oai.parse_request(kind, raw, {cfg.name})
-        ids = request.app[ENCODER].encode(req)
-        if req.truncate_prompt_tokens is not None:
-            ids = ids[-req.truncate_prompt_tokens:]     # vLLM keeps the prompt's end
+        keep = req.truncate_prompt_tokens
+        ids = request.app[ENCODER].encode(req, cfg.max_model_len if keep == -1 else keep)
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
         rate_headers = request.app[LIMITS].take(request[CALLER],
                                                 len(ids) + req.n * max_tokens)

@@ -343,6 +343,14 @@ def _choices(body: dict) -> int:
     return n
 
 
+def _truncation(body: dict) -> int | None:
+    """`truncate_prompt_tokens`: tokens to keep, or -1 for the context's length."""
+    keep = _int(body, "truncate_prompt_tokens", lo=-1, hi=_INT32_MAX)
+    if keep == 0:
+        raise _bad("'truncate_prompt_tokens' must be -1 or at least 1", "truncate_prompt_tokens")
+    return keep
+
+
 def _template_options(kind: Kind, body: dict) -> tuple[tuple[str, Any], ...]:
     """The chat template's arguments a chat request may set."""
     if kind != "chat":
@@ -400,7 +408,7 @@ def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> Com
         stream=stream, include_usage=include_usage, echo=echo,
         user=_optional_str(body, "user"), session_id=session_id, n=_choices(body),
         tools=tool_request,
-        truncate_prompt_tokens=_int(body, "truncate_prompt_tokens", lo=1, hi=_INT32_MAX),
+        truncate_prompt_tokens=_truncation(body),
         add_special_tokens=None if body.get("add_special_tokens") is None
         else _bool(body, "add_special_tokens"),
         template_options=_template_options(kind, body),
@@ -424,71 +432,10 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
     return max_tokens
 
 
-# --- response builders --------------------------------------------------------
-# Completions use "text_completion" for both chunks and full responses; chat
-# has separate names. Choices always carry "logprobs": null to match OpenAI's
-# shape exactly, though logprobs are never computed.
+# --- response ids ----------------------------------------------------------------
+# The answers themselves are shaped per choice (choices.py) and put together in events.py.
 
 
 def completion_id(kind: Kind) -> str:
     """A fresh response id with OpenAI's per-endpoint prefix."""
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-def _envelope(
-    obj: str, id: str, model: str, created: int, choices: list, usage: tuple[int, int] | None = None
-) -> dict:
-    out = {"id": id, "object": obj, "created": created, "model": model, "choices": choices}
-    if usage is not None:
-        prompt, completion = usage
-        out["usage"] = dict(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        )
-    return out
-
-
-def chat_chunk(
-    id: str, model: str, created: int, *,
-    role: str | None = None, content: str | None = None, finish_reason: str | None = None,
-) -> dict:  # fmt: skip
-    """One streamed chat delta; role/content left as None are omitted, as OpenAI does."""
-    delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return _envelope("chat.completion.chunk", id, model, created, [choice])
-
-
-def completion_chunk(
-    id: str, model: str, created: int, *, text: str, finish_reason: str | None = None
-) -> dict:
-    """One streamed text-completion piece."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return _envelope("text_completion", id, model, created, [choice])
-
-
-def usage_chunk(
-    kind: Kind, id: str, model: str, created: int, prompt_tokens: int, completion_tokens: int
-) -> dict:
-    """The last chunk before [DONE] when stream_options.include_usage is set."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return _envelope(obj, id, model, created, [], (prompt_tokens, completion_tokens))
-
-
-def chat_response(
-    id: str, model: str, created: int, content: str, finish_reason: str,
-    prompt_tokens: int, completion_tokens: int,
-) -> dict:  # fmt: skip
-    """A complete non-streaming chat.completion object."""
-    message = {"role": "assistant", "content": content}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-    usage = (prompt_tokens, completion_tokens)
-    return _envelope("chat.completion", id, model, created, [choice], usage)
-
-
-def completion_response(
-    id: str, model: str, created: int, text: str, finish_reason: str,
-    prompt_tokens: int, completion_tokens: int,
-) -> dict:  # fmt: skip
-    """A complete non-streaming text_completion object."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    usage = (prompt_tokens, completion_tokens)
-    return _envelope("text_completion", id, model, created, [choice], usage)

@@ -26,7 +26,7 @@ _SAMPLING = {
     "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
     "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"type": ["integer", "null"]},
-    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 16},
     "seed": {"type": ["integer", "null"]},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
                                              "maxItems": 4}, {"type": "null"}]},
@@ -39,6 +39,17 @@ _SAMPLING = {
                        "properties": {"include_usage": {"type": "boolean"}}},
     "user": {"type": ["string", "null"]},
     "session_id": {"type": ["string", "null"], "minLength": 1},
+    # The rest of OpenAI's and vLLM's parameters: docs/openai-parameters.md.
+    "min_p": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+    "min_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "logit_bias": {"type": ["object", "null"],
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+    "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
+    "include_stop_str_in_output": {"type": ["boolean", "null"]},
+    "truncate_prompt_tokens": {"type": ["integer", "null"], "minimum": -1},
+    "response_format": {"type": ["object", "null"]},
+    "structured_outputs": {"type": ["object", "null"]},
+    "add_special_tokens": {"type": ["boolean", "null"]},
 }
 
 _GENERATION = {
@@ -53,6 +64,10 @@ _GENERATION_HEADERS = [
     {"name": "x-session-id", "in": "header", "required": False,
      "description": "keeps a conversation's turns on the decode worker holding its KV",
      "schema": {"type": "string", "maxLength": 256}},
+    {"name": "x-pdserve-sse", "in": "header", "required": False,
+     "description": "SSE framing: plain (OpenAI's, the default) or resumable (`id:`, "
+                    "`retry:`, keepalive comments)",
+     "schema": {"enum": ["plain", "resumable"]}},
     {"name": "x-pdserve-timeout-ms", "in": "header", "required": False,
      "description": "the request's budget (at most the edge's 600 s): every hop's deadline "
                     "comes from it; past it, 504 deadline_exceeded (or an error event)",
@@ -80,6 +95,15 @@ SPEC = {
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["model", "messages"],
                 "properties": {**_SAMPLING, "max_completion_tokens": _SAMPLING["max_tokens"],
+                               "logprobs": {"type": ["boolean", "null"]},
+                               "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
+                                                "maximum": 20},
+                               "tools": {"type": ["array", "null"], "minItems": 1,
+                                         "items": {"type": "object"}},
+                               "tool_choice": {"oneOf": [
+                                   {"enum": ["none", "auto", "required"]},
+                                   {"type": "object"}, {"type": "null"}]},
+                               "parallel_tool_calls": {"type": ["boolean", "null"]},
                                "messages": {"type": "array", "minItems": 1, "maxItems": 1024,
                                             "items": {"type": "object",
                                                       "required": ["role", "content"],
@@ -92,7 +116,11 @@ SPEC = {
             "operationId": "completion", "parameters": _GENERATION_HEADERS,
             "requestBody": {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": ["model", "prompt"],
-                "properties": {**_SAMPLING, "prompt": {"oneOf": [
+                "properties": {**_SAMPLING,
+                               "logprobs": {"type": ["integer", "null"], "minimum": 0,
+                                            "maximum": 5},
+                               "echo": {"type": ["boolean", "null"]},
+                               "prompt": {"oneOf": [
                     {"type": "string", "minLength": 1},
                     {"type": "array", "minItems": 1, "items": {"type": "integer",
                                                                "minimum": 0}}]}}}}}},

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from .openai_protocol import APIError, CompletionRequest
-from .tool_parsers import ToolParser, ToolStream, parser_for
+from .tool_parsers import PARSERS, ToolParser, ToolStream, parser_for
 from .tools import ToolRequest, check_parser, output_stream
 
 # Tokenizer classes that are just a `tokenizer.json` (a Rust `tokenizers` model) and
@@ -47,7 +47,7 @@ def _model_type(model: str) -> str | None:
 class PromptEncoder:
     """Wraps the model's tokenizer and chat template."""
 
-    def __init__(self, model: str, tool_parser: ToolParser | None = None):
+    def __init__(self, model: str, tool_call_parser: str = "auto"):
         self.tokenizer = load_tokenizer(model)
         self.vocab_size = len(self.tokenizer)
         # A fast tokenizer's Rust model, called directly: the same ids as its
@@ -57,9 +57,10 @@ class PromptEncoder:
         # nothing here reads: 0.67 against 1.0 ms for a 1,100-token prompt.
         self._rust = getattr(self.tokenizer, "_tokenizer", None)
         self._fast = getattr(self._rust, "encode_batch_fast", None)
-        self.tool_parser = tool_parser or parser_for(_model_type(model),
-                                                     getattr(self.tokenizer, "chat_template",
-                                                             None))
+        self._special_head = self._encode("", add_special_tokens=True)   # BOS, say
+        self.tool_parser: ToolParser | None = (
+            parser_for(_model_type(model), getattr(self.tokenizer, "chat_template", None))
+            if tool_call_parser == "auto" else PARSERS.get(tool_call_parser))
 
     def tool_stream(self, request: ToolRequest | None) -> ToolStream | None:
         """What shapes an answer's text into tool calls (None: it is all content)."""
@@ -72,8 +73,17 @@ class PromptEncoder:
             return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode(self, req: CompletionRequest) -> list[int]:
-        """Token ids of the request's prompt; raises APIError for unusable input."""
+    def encode(self, req: CompletionRequest, keep: int | None = None) -> list[int]:
+        """Token ids of the request's prompt, its last `keep` at most (after its special
+        tokens); raises APIError for unusable input."""
+        ids = self._ids(req)
+        if keep is None:
+            return ids
+        specials = (req.kind == "completion" and isinstance(req.prompt, str)
+                    and req.add_special_tokens is not False) or bool(req.add_special_tokens)
+        return self.truncate(ids, keep, specials)
+
+    def _ids(self, req: CompletionRequest) -> list[int]:
         if req.kind == "chat":
             check_parser(req.tools, self.tool_parser)
             options = dict(req.template_options)
@@ -94,6 +104,14 @@ class PromptEncoder:
         if req.add_special_tokens is False:
             return self._encode(req.prompt, add_special_tokens=False)
         return self.encode_text(req.prompt)
+
+    def truncate(self, ids: list[int], keep: int, specials: bool) -> list[int]:
+        """`truncate_prompt_tokens`: the prompt's last `keep` tokens, after the special
+        tokens the tokenizer put in front (`specials`), as vLLM's tokenizer cuts them."""
+        if keep >= len(ids):
+            return ids
+        head = self._special_head if specials else []
+        return head[:keep] + (ids[len(head):][-(keep - len(head)):] if keep > len(head) else [])
 
     def encode_text(self, text: str) -> list[int]:
         """A completion prompt's ids: the tokenizer's own special tokens included."""

@@ -39,7 +39,7 @@ def resilience(cfg: EdgeConfig) -> Resilience:
 
 async def serve(cfg: EdgeConfig) -> None:
     """Serve HTTP on cfg.host:cfg.port until signalled; streams in flight get 30 s to finish."""
-    encoder = PromptEncoder(cfg.model)
+    encoder = PromptEncoder(cfg.model, cfg.tool_call_parser)
     # The detokenizer's byte table is built and checked once per tokenizer (a decode
     # of every id), here rather than in the first request.
     byte_table(encoder.tokenizer._tokenizer)

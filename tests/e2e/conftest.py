@@ -63,11 +63,17 @@ def reference(model_dir) -> dict[str, dict]:
     proc = Proc([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                  "--model", str(model_dir), "--dtype", "float32", "--enforce-eager",
                  "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
-                 "--no-enable-prefix-caching"],
+                 "--no-enable-prefix-caching",
+                 # tool_choice "required" and named need one (the tiny model's template
+                 # has no tool syntax: only forced calls are compared).
+                 "--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
                 # The model in the engine core's process, as pdserve's workers run it
                 # (no worker process behind it: one vllm import fewer to start).
                 env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1",
-                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                     # Forced tool calls as JSON (vLLM's tool-schema mode, pdserve's), not
+                     # in the parser's own syntax under a structural tag.
+                     "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
                 name="vllm-reference")
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, 300)
@@ -143,7 +149,9 @@ def stack(model_dir, reference) -> Stack:
                             # case it resumes (5 s by default). 1 s, so that the
                             # disconnect test sees the abort well before its long
                             # generation ends: 1,500 tokens take about 4 s here.
-                            "--stream-resume-seconds", "1"),
+                            "--stream-resume-seconds", "1",
+                            # As the reference reads tool calls (its template has none).
+                            "--tool-call-parser", "hermes"),
                 env=tracing, name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",

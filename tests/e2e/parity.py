@@ -32,9 +32,10 @@ CASES: dict[str, tuple[str, dict]] = {
     "logprobs-completion": _case("completion", logprobs=2),
     "echo": _case("completion", echo=True),
     "echo-logprobs": _case("completion", echo=True, logprobs=1, max_tokens=4),
-    "n": _case("completion", n=2),
-    "n-chat": _case("chat", n=2, max_tokens=6),
-    "best_of": _case("completion", n=2, best_of=2, max_tokens=4),
+    # vLLM refuses n > 1 when greedy; seeded, choice i draws with seed + i.
+    "n": _case("completion", n=2, temperature=1.0, seed=5),
+    "n-chat": _case("chat", n=3, max_tokens=6, temperature=1.0, seed=6),
+    "best_of": _case("completion", n=2, best_of=2, max_tokens=4, temperature=1.0, seed=7),
     "json_object": _case("chat", response_format={"type": "json_object"}, max_tokens=24),
     "json_schema": _case("chat", max_tokens=40, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA,
@@ -44,6 +45,12 @@ CASES: dict[str, tuple[str, dict]] = {
     "named-tool": _case("chat", tools=[TOOL], max_tokens=30, tool_choice={
         "type": "function", "function": {"name": "get_weather"}}),
     "required-tool": _case("chat", tools=[TOOL], max_tokens=40, tool_choice="required"),
+    "auto-tool": _case("chat", tools=[TOOL], max_tokens=12),
+    "tool-history": _case("chat", tools=[TOOL], tool_choice="none", messages=[
+        *CHAT_MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]),
     "logit_bias": _case("completion", logit_bias={"100": 100}),
     "min_tokens": _case("completion", min_tokens=8, max_tokens=8),
     "stop": _case("completion", stop=["e"]),
@@ -57,6 +64,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "top_k": _case("completion", temperature=1.0, top_k=5, seed=9),
     "min_p": _case("completion", temperature=1.0, min_p=0.2, seed=10),
     "truncate_prompt_tokens": _case("completion", truncate_prompt_tokens=5),
+    "truncate_prompt_tokens-all": _case("chat", truncate_prompt_tokens=-1),
     "add_special_tokens": _case("completion", add_special_tokens=False),
     "max_completion_tokens": _case("chat", max_completion_tokens=3),
     "add_generation_prompt": _case("chat", add_generation_prompt=False),
@@ -150,3 +158,44 @@ def _completion_logprobs(a, b) -> list[str]:
                 close(ta[t], tb[t]) for t in ta))):
             return [f"top logprobs {ta} != {tb}"]
     return []
+
+
+def assemble(kind: str, events: list[dict]) -> dict:
+    """A streamed answer's events put back together as the non-streamed answer."""
+    choices: dict[int, dict] = {}
+    for event in events:
+        for c in event["choices"]:
+            choice = choices.setdefault(c["index"], {
+                "index": c["index"], "finish_reason": None, "logprobs": None,
+                **({"message": {"content": "", "tool_calls": []}} if kind == "chat"
+                   else {"text": ""})})
+            choice["finish_reason"] = c["finish_reason"] or choice["finish_reason"]
+            if kind == "chat":
+                _take_delta(choice, c["delta"], c.get("logprobs"))
+            else:
+                choice["text"] += c["text"]
+                _take_completion_logprobs(choice, c.get("logprobs"))
+    return {"choices": list(choices.values())}
+
+
+def _take_delta(choice: dict, delta: dict, logprobs) -> None:
+    message = choice["message"]
+    message["content"] += delta.get("content") or ""
+    for call in delta.get("tool_calls") or []:
+        while len(message["tool_calls"]) <= call["index"]:
+            message["tool_calls"].append({"function": {"name": "", "arguments": ""}})
+        function = message["tool_calls"][call["index"]]["function"]
+        function["name"] += (call.get("function") or {}).get("name") or ""
+        function["arguments"] += (call.get("function") or {}).get("arguments") or ""
+    if logprobs is not None:
+        choice["logprobs"] = choice["logprobs"] or {"content": []}
+        choice["logprobs"]["content"] += logprobs["content"]
+
+
+def _take_completion_logprobs(choice: dict, logprobs) -> None:
+    if logprobs is None:
+        return
+    if choice["logprobs"] is None:
+        choice["logprobs"] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for key in choice["logprobs"]:
+        choice["logprobs"][key] += logprobs[key]

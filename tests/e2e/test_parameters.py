@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import post_any
-from parity import CASES, REFUSED, differences
+from parity import CASES, REFUSED, assemble, differences
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -47,3 +47,26 @@ def test_usage_reports_cached_prompt_tokens(stack):
     for _ in range(2):
         _, answer = post_any(f"{stack.url}/v1/completions", {"model": stack.model, **body})
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128, answer["usage"]
+
+
+@pytest.mark.parametrize("name", ["logprobs-chat", "logprobs-completion", "echo-logprobs", "n",
+                                  "n-chat", "named-tool", "required-tool", "json_schema"])
+def test_streamed_answer_is_the_same_answer(stack, reference, name):
+    """Streamed (OpenAI's framing, choices interleaved), the answer put back together is
+    the reference's non-streamed one."""
+    import urllib.request
+    kind, body = CASES[name]
+    path = "chat/completions" if kind == "chat" else "completions"
+    req = urllib.request.Request(f"{stack.url}/v1/{path}", data=json.dumps(
+        {"model": stack.model, **body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        lines = [line.decode().rstrip("\n") for line in r if line.strip()]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    if body.get("n"):                           # interleaved: every choice before any ends
+        indices = [c["index"] for e in events for c in e["choices"] if not c["finish_reason"]]
+        assert len(set(indices)) == body["n"]
+    ours = assemble(kind, events)
+    _, theirs = reference[f"parity/{name}"]
+    assert not differences(kind, ours, theirs), (differences(kind, ours, theirs), ours, theirs)

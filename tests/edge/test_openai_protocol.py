@@ -15,14 +15,9 @@ from services.edge.openai_protocol import (
     APIError,
     CompletionRequest,
     SamplingOptions,
-    chat_chunk,
-    chat_response,
     check_context,
-    completion_chunk,
     completion_id,
-    completion_response,
     parse_request,
-    usage_chunk,
 )
 
 MODELS = frozenset({"m", "other-model"})
@@ -528,104 +523,6 @@ def test_completion_id(kind, prefix):
     assert all(re.fullmatch(re.escape(prefix) + "[0-9a-f]{32}", i) for i in ids)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "delta", "finish_reason"),
-    [
-        ({"role": "assistant", "content": ""}, {"role": "assistant", "content": ""}, None),
-        ({"content": "tok"}, {"content": "tok"}, None),
-        ({"finish_reason": "stop"}, {}, "stop"),
-        ({"content": "x", "finish_reason": "length"}, {"content": "x"}, "length"),
-    ],
-)
-def test_chat_chunk(kwargs, delta, finish_reason):
-    assert chat_chunk("chatcmpl-1", "m", 123, **kwargs) == {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 123,
-        "model": "m",
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-@pytest.mark.parametrize("finish_reason", [None, "stop", "length"])
-def test_completion_chunk(finish_reason):
-    assert completion_chunk("cmpl-1", "m", 7, text="ab", finish_reason=finish_reason) == {
-        "id": "cmpl-1",
-        "object": "text_completion",
-        "created": 7,
-        "model": "m",
-        "choices": [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-@pytest.mark.parametrize(
-    ("kind", "obj"), [("chat", "chat.completion.chunk"), ("completion", "text_completion")]
-)
-def test_usage_chunk(kind, obj):
-    assert usage_chunk(kind, "x-1", "m", 9, 11, 4) == {
-        "id": "x-1",
-        "object": obj,
-        "created": 9,
-        "model": "m",
-        "choices": [],
-        "usage": {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15},
-    }
-
-
-def test_chat_response():
-    assert chat_response("chatcmpl-1", "m", 5, "hello", "stop", 3, 2) == {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "created": 5,
-        "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "hello"},
-                "logprobs": None,
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-    }
-
-
-def test_completion_response():
-    assert completion_response("cmpl-1", "m", 5, "hello", "length", 3, 2) == {
-        "id": "cmpl-1",
-        "object": "text_completion",
-        "created": 5,
-        "model": "m",
-        "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-    }
-
-
-def test_builders_validate_against_the_openai_sdk_types():
-    types = pytest.importorskip("openai.types")
-    chat = pytest.importorskip("openai.types.chat")
-    full = chat.ChatCompletion.model_validate(
-        chat_response("chatcmpl-1", "m", 5, "hi", "stop", 3, 2)
-    )
-    assert full.choices[0].message.content == "hi" and full.usage.total_tokens == 5
-    first = chat.ChatCompletionChunk.model_validate(
-        chat_chunk("chatcmpl-1", "m", 5, role="assistant", content="")
-    )
-    assert first.choices[0].delta.role == "assistant" and first.choices[0].finish_reason is None
-    last = chat.ChatCompletionChunk.model_validate(usage_chunk("chat", "chatcmpl-1", "m", 5, 3, 2))
-    assert last.choices == [] and last.usage.completion_tokens == 2
-    text = types.Completion.model_validate(
-        completion_response("cmpl-1", "m", 5, "hi", "length", 3, 2)
-    )
-    assert text.choices[0].text == "hi" and text.usage.prompt_tokens == 3
-    # The SDK reuses Completion for stream chunks (its finish_reason type is non-null).
-    piece = types.Completion.model_validate(
-        completion_chunk("cmpl-1", "m", 5, text="x", finish_reason="stop")
-    )
-    assert piece.choices[0].text == "x"
-    tail = types.Completion.model_validate(usage_chunk("completion", "cmpl-1", "m", 5, 3, 2))
-    assert tail.usage.total_tokens == 5
-
 
 @pytest.mark.parametrize(
     ("data", "seq", "expected"),
@@ -654,7 +551,9 @@ def test_the_pushed_writers_chunks_hold_the_same_frames(count):
 
 
 def test_sse_frame_round_trips_a_chunk():
-    chunk = chat_chunk("chatcmpl-1", "m", 1, content="hi")
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "hi"}, "logprobs": None,
+                          "finish_reason": None}]}
     raw = frame([Event(1, payload(chunk))])
     assert raw.startswith(b"id: 1\ndata: ") and raw.endswith(b"\n\n")
     assert json.loads(raw[len(b"id: 1\ndata: "):-2]) == chunk
