@@ -85,7 +85,10 @@ async def _stream(http, url: str, model: str, prompt: str, max_tokens: int, out:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
-        async with http.post(f"{url}/v1/completions", json=body) as r:
+        # The resumable framing: the report's duplicated/missing counts and the
+        # continue gaps read each event's id (OpenAI's default framing has none).
+        async with http.post(f"{url}/v1/completions", json=body,
+                             headers={"x-pdserve-sse": "resumable"}) as r:
             out.status, out.worker = r.status, r.headers.get("x-pdserve-worker", "")
             if r.status != 200:
                 out.error = (await r.text())[:200]
@@ -109,9 +112,11 @@ def _event(block: str, out: Stream) -> None:
             data = line[6:]
     if data is None:
         return
-    if ident is not None:
-        out.ids.append(ident)
-        out.times.append(time.monotonic())
+    if ident is None:                           # not the resumable framing asked for
+        out.error = out.error or "an event without an id"
+        return
+    out.ids.append(ident)
+    out.times.append(time.monotonic())
     if data == "[DONE]":
         out.done = True
         return

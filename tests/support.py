@@ -150,8 +150,15 @@ def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]
 
 
+# The request header that asks a POST /v1/completions or /v1/chat/completions for the
+# resumable SSE framing (`id:` per event, `retry:`, keepalive comments); without it the
+# edge answers in OpenAI's plain framing (`data:` lines only; services/edge/sse.py).
+RESUMABLE = {"x-pdserve-sse": "resumable"}
+
+
 def parse_sse(raw: str) -> list[tuple[int | None, str]]:
-    """(id, data) per event; comments and retry lines skipped."""
+    """(id, data) per event; comments and retry lines skipped. Plain framing: id None
+    (the n-th data line is event n)."""
     events = []
     for block in raw.split("\n\n"):
         ident, data = None, None
@@ -163,6 +170,23 @@ def parse_sse(raw: str) -> list[tuple[int | None, str]]:
         if data is not None:
             events.append((ident, data))
     return events
+
+
+def sse_data(raw: str) -> list[str]:
+    """The data of each event, whichever the framing."""
+    return [data for _, data in parse_sse(raw)]
+
+
+async def assert_logged_in_order(http, base_url: str, sid: str,
+                                  events: list[tuple[int | None, str]]) -> None:
+    """`events`, read in OpenAI's plain framing (no ids), are the stream log's events
+    each once and in order: the n-th data line is event n of the numbered replay
+    (`GET /v1/streams/{sid}`), as a plain client that resumes relies on."""
+    assert [i for i, _ in events] == [None] * len(events)
+    async with http.get(f"{base_url}/v1/streams/{sid}") as r:
+        assert r.status == 200, await r.text()
+        replay = parse_sse(await r.text())
+    assert replay == [(n, data) for n, (_, data) in enumerate(events, 1)]
 
 
 def alive(pids: list[int]) -> list[int]:

@@ -58,7 +58,7 @@ class Choice:
         self.echo, self.tool_stream, self.tool_request = echo, tool_stream, tool_request
         self._calls: set[int] = set()       # tool calls streamed, by index
         self.plain = logprobs is None and echo is None and tool_stream is None
-        self._opened = kind != "chat"
+        self.opened = kind != "chat"
         self._sent_chars = 0                # completions' text_offset base
         self._prompt_logprobs = None        # echo: set once, from the first chunk
         self.text: list[str] = []           # whole-answer accumulators
@@ -76,9 +76,9 @@ class Choice:
 
     def opening(self) -> list[dict]:
         """Chat opens with the assistant's role, once, with its first output."""
-        if self._opened:
+        if self.opened:
             return []
-        self._opened = True
+        self.opened = True
         return [{"index": self.index, "delta": {"role": "assistant", "content": ""},
                  "logprobs": None, "finish_reason": None}]
 

@@ -77,8 +77,10 @@ class Renderer:
             if not chunk.text:
                 return []
             before, after = self._templates[index]
-            return [payload(self._chunk([d])) for d in choice.opening()] + [
-                before + _json_string(chunk.text) + after]
+            text = before + _json_string(chunk.text) + after
+            if choice.opened:
+                return [text]
+            return [payload(self._chunk([d])) for d in choice.opening()] + [text]
         return [payload(self._chunk([d]))
                 for d in choice.deltas(chunk, self.streams[index].prompt_logprobs)]
 

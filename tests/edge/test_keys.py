@@ -13,6 +13,7 @@ import websockets
 
 from pdserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.edge.keys import KeyError_, KeyRing
+from support import parse_sse
 from synthetic_stack import edge_stack
 
 ALICE = "sk-alice-" + "a" * 40
@@ -114,9 +115,11 @@ async def test_a_stream_token_reads_that_stream_only(stack):
     async with aiohttp.ClientSession() as http:
         r = await http.post(f"{stack.url}/v1/completions", json=stack.body(30), headers=auth(ALICE))
         sid, token = r.headers["x-pdserve-stream-id"], r.headers["x-pdserve-stream-token"]
-        mine = await r.text()
+        mine = parse_sse(await r.text())            # OpenAI's framing: data lines only
         async with http.get(f"{stack.url}/v1/streams/{sid}", params={"token": token}) as f:
-            assert f.status == 200 and await f.text() == mine     # every event, from the start
+            # every event, from the start (numbered: the follower's framing)
+            assert f.status == 200
+            assert parse_sse(await f.text()) == [(n, d) for n, (_, d) in enumerate(mine, 1)]
         other = await http.post(f"{stack.url}/v1/completions", json=stack.body(1000),
                                 headers=auth(BOB))
         bob_sid, bob_token = other.headers["x-pdserve-stream-id"], other.headers[

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from services.edge.app import ORCH
-from support import parse_sse
+from support import assert_logged_in_order, parse_sse
 from synthetic_stack import edge_stack
 
 
@@ -42,11 +42,14 @@ async def _read_events(resp) -> list[tuple[int | None, str, float]]:
 async def _stream_with_fault(stack, fault, max_tokens: int = 40, after_events: int = 5,
                              headers: dict | None = None):
     """Start a stream, apply `fault(engine index)` to the engine serving it once
-    `after_events` events arrived; return (events, the faulted index, fault time)."""
+    `after_events` events arrived; return (events, the faulted index, fault time).
+    The events (OpenAI's framing, no ids) are checked to be the stream log's, each once
+    and in order: no gap or repeat across the move."""
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{stack.url}/v1/completions", json=stack.body(max_tokens),
                              headers=headers or {}) as r:
             assert r.status == 200, await r.text()
+            sid = r.headers["x-pdserve-stream-id"]
             events, buf, faulted, at = [], "", None, None
             async for raw in r.content.iter_any():
                 buf += raw.decode()
@@ -57,13 +60,13 @@ async def _stream_with_fault(stack, fault, max_tokens: int = 40, after_events: i
                     [faulted] = _running(stack)
                     at = time.monotonic()
                     await fault(faulted)
+        await assert_logged_in_order(http, stack.url, sid, [(i, d) for i, d, _ in events])
     return events, faulted, at
 
 
 def _check_whole(events, max_tokens_chunks: bool = True) -> list[dict]:
-    """Ids 1..n with no gap or repeat, no error, a finish chunk and [DONE]."""
-    ids = [i for i, _, _ in events]
-    assert ids == list(range(1, len(ids) + 1)), ids
+    """No error, a finish chunk and [DONE] (the events are the log's, each once and in
+    order: `_stream_with_fault`)."""
     assert events[-1][1] == "[DONE]"
     chunks = [json.loads(d) for _, d, _ in events[:-1]]
     assert not [c for c in chunks if "error" in c], chunks[-1]

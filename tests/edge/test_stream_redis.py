@@ -13,7 +13,7 @@ import pytest
 from services.worker.synthetic import read_stamps
 from support import Proc, free_port
 from synthetic_stack import edge_stack
-from support import parse_sse
+from support import RESUMABLE, parse_sse
 from test_streams import text_of
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
@@ -51,7 +51,8 @@ async def test_resume_on_the_other_replica_at_random_points(model_dir, redis_url
         (a, _), (b, _) = stack.replicas
         async with aiohttp.ClientSession() as http:
             async def one() -> None:
-                async with http.post(f"{a}/v1/completions", json=stack.body(40)) as r:
+                async with http.post(f"{a}/v1/completions", json=stack.body(40),
+                                     headers=RESUMABLE) as r:
                     sid = r.headers["x-pdserve-stream-id"]
                     got = await read_until(r, rng.randint(1, 40))
                     r.close()

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from services.worker.synthetic import read_stamps
-from support import parse_sse
+from support import RESUMABLE, parse_sse
 from synthetic_stack import edge_stack
 
 
@@ -25,10 +25,11 @@ def text_of(events) -> str:
     return "".join(out)
 
 
-def _post(body: bytes) -> bytes:
+def _post(body: bytes, headers: dict | None = None) -> bytes:
     """A raw HTTP/1.1 POST of a completion request (for clients on bare sockets)."""
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
     return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            b"%bContent-Length: %d\r\n\r\n%b" % (extra, len(body), body))
 
 
 @pytest.fixture
@@ -39,7 +40,8 @@ async def stack(model_dir):
 
 async def test_events_carry_ids_and_a_stream_id_and_replay_from_last_event_id(stack):
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{stack.url}/v1/completions", json=stack.body(30)) as r:
+        async with http.post(f"{stack.url}/v1/completions", json=stack.body(30),
+                             headers=RESUMABLE) as r:
             assert r.status == 200
             assert r.headers["Content-Type"] == "text/event-stream"
             assert r.headers["Cache-Control"] == "no-cache"
@@ -70,7 +72,8 @@ async def test_cut_at_random_points_and_resumed_gives_the_uninterrupted_text(sta
     rng = random.Random(9)
     async with aiohttp.ClientSession() as http:
         async def one(trial: int) -> None:
-            async with http.post(f"{stack.url}/v1/completions", json=stack.body(40)) as r:
+            async with http.post(f"{stack.url}/v1/completions", json=stack.body(40),
+                                 headers=RESUMABLE) as r:
                 sid = r.headers["x-pdserve-stream-id"]
                 cut, got, buf = rng.randint(1, 40), [], ""
                 async for piece in r.content.iter_any():
@@ -120,16 +123,19 @@ async def test_ten_readers_get_identical_events_and_a_stalled_one_is_cut(model_d
         assert len(first) > 2000 and first[-1][1] == "[DONE]"
         for other in readers[1:-1]:
             assert other == first
-        assert parse_sse(readers[-1]) == first
+        # The client that asked reads OpenAI's framing: the same events, data lines only.
+        assert parse_sse(readers[-1]) == [(None, data) for _, data in first]
         # 2400 chunks at 800/s: 3 s; the stalled reader did not hold anyone up.
         assert took < 6, took
         assert stack.metrics.streams_cut.labels("sse")._value.get() == 1
 
 
-async def test_a_reader_that_pauses_gets_every_event_once_in_order(model_dir):
+@pytest.mark.parametrize("framing", ["plain", "resumable"])
+async def test_a_reader_that_pauses_gets_every_event_once_in_order(model_dir, framing):
     """A caught-up SSE reader is written from the log's appends (sse.pushed); one
     that stops reading for a while backs its socket up, goes back to awaited writes,
-    catches up and is pushed to again: every event once, in order, and not cut."""
+    catches up and is pushed to again: every event once, in order, and not cut. In
+    either framing (the pushed writer renders each)."""
     async with edge_stack(model_dir, rate=800.0, stream_stall_seconds=3.0,
                           max_model_len=8192) as stack:
         port = int(stack.url.rsplit(":", 1)[1])
@@ -139,7 +145,7 @@ async def test_a_reader_that_pauses_gets_every_event_once_in_order(model_dir):
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         await loop.sock_connect(sock, ("127.0.0.1", port))
-        await loop.sock_sendall(sock, _post(body))
+        await loop.sock_sendall(sock, _post(body, RESUMABLE if framing == "resumable" else {}))
         raw, paused = b"", 0
         while not raw.endswith(b"\r\n0\r\n\r\n"):
             if paused < 3 and len(raw) > 20_000 * (paused + 1):
@@ -159,11 +165,15 @@ async def test_a_reader_that_pauses_gets_every_event_once_in_order(model_dir):
             text, chunked = text + rest[:int(size, 16)], rest[int(size, 16) + 2:]
         events = parse_sse(text.decode())
         assert paused == 3
-        assert [i for i, _ in events] == list(range(1, len(events) + 1))
+        numbered = list(range(1, len(events) + 1))
+        assert [i for i, _ in events] == (numbered if framing == "resumable"
+                                          else [None] * len(events))
         assert events[-1][1] == "[DONE]" and len(read_stamps(text_of(events))) == 2400
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{stack.url}/v1/streams/{sid}") as r:
-                assert parse_sse(await r.text()) == events
+                # The log's events, each once and in order: the n-th data line is event n.
+                assert parse_sse(await r.text()) == [(i, d) for i, (_, d) in
+                                                     zip(numbered, events)]
         assert stack.metrics.streams_cut.labels("sse")._value.get() == 0
 
 
@@ -208,7 +218,8 @@ async def test_the_headers_and_the_first_event_arrive_in_one_write(stack):
         assert got.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in got, got[:80]
         head, first = got.split(b"\r\n\r\n", 1)
         assert b"text/event-stream" in head.lower()
-        assert b"\nid: 1\ndata: {" in first, got
+        # The first HTTP/1.1 chunk holds the first event (OpenAI's framing: data only).
+        assert first.split(b"\r\n", 1)[1].startswith(b"data: {"), got
 
 
 async def test_delete_cancels_at_once_and_a_drop_waits_for_resume(stack):
@@ -274,7 +285,8 @@ async def test_keepalive_comments_bounded_log_and_expiry(model_dir):
     async with edge_stack(model_dir, rate=4.0, sse_keepalive_seconds=0.1, stream_max_events=5,
                           stream_ttl_seconds=1.0) as stack:
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{stack.url}/v1/completions", json=stack.body(4)) as r:
+            async with http.post(f"{stack.url}/v1/completions", json=stack.body(4),
+                                 headers=RESUMABLE) as r:
                 sid = r.headers["x-pdserve-stream-id"]
                 raw = await r.text()
             # 4 tokens 250 ms apart, keepalive every 100 ms: comments in between.
