@@ -13,6 +13,7 @@ import pytest
 
 from services.worker.synthetic import read_stamps
 from support import RESUMABLE, parse_sse
+from services.edge.app import METRICS as METRICS_KEY
 from synthetic_stack import edge_stack
 
 
@@ -388,3 +389,30 @@ async def test_a_finished_generation_leaves_no_cycle_for_the_collector(stack):
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+async def test_n_choices_run_as_one_stream_and_stop_together(stack):
+    """`n`: a generation per choice, interleaved in one stream, each choice's index on its
+    chunks; a cancel aborts every choice's generation on the engine; a non-streamed
+    answer holds every choice and usage counts them all."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.url}/v1/completions",
+                             json=stack.body(6) | {"n": 3, "stream": False}) as r:
+            whole = await r.json()
+        assert sorted(c["index"] for c in whole["choices"]) == [0, 1, 2]
+        assert all(len(read_stamps(c["text"])) == 6 for c in whole["choices"])
+        # A synthetic output is several token ids: each choice's count is in the sum.
+        assert whole["usage"]["completion_tokens"] >= 18
+        r = await http.post(f"{stack.url}/v1/completions", json=stack.body(2000) | {"n": 2})
+        sid, seen = r.headers["x-pdserve-stream-id"], set()
+        while len(seen) < 2:
+            line = await r.content.readline()
+            if line.startswith(b"data: {"):
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+        assert len(stack.engine.running) == 2
+        async with http.delete(f"{stack.url}/v1/streams/{sid}") as d:
+            assert d.status == 200
+        await r.text()
+        await stack.until(lambda: stack.engine.running == {}, timeout=2)
+    metrics = stack.app[METRICS_KEY]
+    await stack.until(lambda: metrics.running.labels(stack.model)._value.get() == 0, timeout=2)
