@@ -41,6 +41,7 @@ from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
 from .stream_log import BadPosition, EventsGone, StreamGone
 from .streams import LiveStream, Streams, open_store
+from .tokenize import handlers as tokenize_handlers
 
 log = logging.getLogger("pdserve.edge")
 
@@ -72,11 +73,11 @@ def _error_response(e: oai.APIError, headers: dict | None = None) -> web.Respons
 
 @web.middleware
 async def _authenticate(request: web.Request, handler):
-    """Every /v1/ route (HTTP, WebSocket, streams) needs a configured key; /health,
-    /metrics and /openapi.json do not. The key found is request[CALLER]. Following a
-    stream (GET /v1/streams/{id}) may instead present that stream's read token as
-    `?token=`, for clients that cannot send headers (EventSource)."""
-    if request.path.startswith("/v1/"):
+    """Every /v1/ route (HTTP, WebSocket, streams) and /tokenize, /detokenize need a
+    configured key; /health, /metrics and /openapi.json do not. The key found is
+    request[CALLER]. Following a stream (GET /v1/streams/{id}) may instead present that
+    stream's read token as `?token=`, for clients that cannot send headers (EventSource)."""
+    if request.path.startswith(("/v1/", "/tokenize", "/detokenize")):
         header = request.headers.get("Authorization")
         key = request.app[KEYS].from_header(header)
         token = request.query.get("token") if request.match_info.handler is follow_stream else None
@@ -516,6 +517,9 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app.router.add_get("/v1/ws", websocket.handle)
     app.router.add_get("/v1/streams/{stream_id}", follow_stream)
     app.router.add_delete("/v1/streams/{stream_id}", cancel_stream)
+    tokenize, detokenize = tokenize_handlers(encoder, cfg.name, cfg.max_model_len)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

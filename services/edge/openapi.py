@@ -125,6 +125,32 @@ SPEC = {
                     {"type": "array", "minItems": 1, "items": {"type": "integer",
                                                                "minimum": 0}}]}}}}}},
             "responses": _GENERATION}},
+        "/tokenize": {"post": {
+            "operationId": "tokenize",
+            "description": "vLLM's: a prompt or chat messages as the token ids the edge sends",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "properties": {
+                    "model": {"type": ["string", "null"]},
+                    "prompt": {"type": "string"},
+                    "messages": {"type": "array", "items": {"type": "object"}},
+                    "add_special_tokens": {"type": ["boolean", "null"]},
+                    "add_generation_prompt": {"type": ["boolean", "null"]},
+                    "return_token_strs": {"type": ["boolean", "null"]}}}}}},
+            "responses": {"200": {"description": "count, max_model_len, tokens, token_strs",
+                                  "content": {"application/json": {"schema": {
+                                      "type": "object"}}}},
+                          **_errors(400, 401, 404, 413)}}},
+        "/detokenize": {"post": {
+            "operationId": "detokenize",
+            "description": "vLLM's: token ids as text",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["tokens"], "properties": {
+                    "model": {"type": ["string", "null"]},
+                    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
+            "responses": {"200": {"description": "prompt: the text",
+                                  "content": {"application/json": {"schema": {
+                                      "type": "object"}}}},
+                          **_errors(400, 401, 404, 413)}}},
         "/v1/models": {"get": {"operationId": "models", "responses": {
             "200": {"description": "the served model",
                     "content": {"application/json": {"schema": {"type": "object"}}}},
