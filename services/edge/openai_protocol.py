@@ -27,6 +27,11 @@ _MAX_STOP = 4
 _MAX_STOP_CHARS = 256
 _MAX_MESSAGES = 1024
 _MAX_CHOICES = 16
+# Template arguments a request may not pass in chat_template_kwargs: the template itself
+# (vLLM refuses a request's own template by default) and what the edge sets from fields.
+_TEMPLATE_OWN = frozenset({"chat_template", "add_generation_prompt", "continue_final_message",
+                           "tools", "documents", "conversation", "tokenize", "messages",
+                           "return_dict", "return_assistant_tokens_mask"})
 _TOOL_KEYS = frozenset({"tool_calls", "tool_call_id", "name", "function_call"})
 
 
@@ -363,6 +368,10 @@ def _template_options(kind: Kind, body: dict) -> tuple[tuple[str, Any], ...]:
     if kwargs is not None:
         if not isinstance(kwargs, dict):
             raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        for key in kwargs:
+            if key in _TEMPLATE_OWN:     # set by the request's own fields, or not at all
+                raise _bad(f"'chat_template_kwargs.{key}' is not allowed here",
+                           f"chat_template_kwargs.{key}")
         out.append(("chat_template_kwargs", json.dumps(kwargs, sort_keys=True)))
     return tuple(out)
 

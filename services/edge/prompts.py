@@ -91,7 +91,7 @@ class PromptEncoder:
             tools = req.tools.template_tools() if req.tools is not None else None
             try:
                 text = self.tokenizer.apply_chat_template(
-                    list(req.messages), tools=tools, tokenize=False,
+                    self._conversation(req.messages), tools=tools, tokenize=False,
                     add_generation_prompt=options.get("add_generation_prompt", True),
                     continue_final_message=options.get("continue_final_message", False),
                     **kwargs)
@@ -104,6 +104,21 @@ class PromptEncoder:
         if req.add_special_tokens is False:
             return self._encode(req.prompt, add_special_tokens=False)
         return self.encode_text(req.prompt)
+
+    def _conversation(self, messages) -> list[dict]:
+        """The messages as the template gets them: `developer` turns become one leading
+        system turn when the template knows no developer role (as vLLM renders them)."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        if not any(m["role"] == "developer" for m in messages) or (
+                '"developer"' in template or "'developer'" in template):
+            return list(messages)
+        turns = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        systems = [i for i, m in enumerate(turns) if m["role"] == "system"]
+        if systems == [0]:
+            return turns
+        merged = "\n\n".join(turns[i]["content"] for i in systems if turns[i]["content"])
+        return [{"role": "system", "content": merged},
+                *[m for m in turns if m["role"] != "system"]]
 
     def truncate(self, ids: list[int], keep: int, specials: bool) -> list[int]:
         """`truncate_prompt_tokens`: the prompt's last `keep` tokens, after the special

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from . import openai_protocol as oai
+from .prompts import PromptEncoder
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -77,7 +78,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return value
 
 
-def _chat_ids(encoder, body: dict, model_name: str) -> list[int]:
+def _chat_ids(encoder: PromptEncoder, body: dict, model_name: str) -> list[int]:
     """The ids /v1/chat/completions would send for the same messages and template
     arguments: the request goes through that route's parser and encoder."""
     if _flag(body, "continue_final_message", False) and _flag(body, "add_generation_prompt",
@@ -100,14 +101,15 @@ def _chat_ids(encoder, body: dict, model_name: str) -> list[int]:
     return encoder.encode(req)
 
 
-def _prompt_ids(encoder, body: dict) -> list[int]:
+def _prompt_ids(encoder: PromptEncoder, body: dict) -> list[int]:
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise oai.APIError(400, "'prompt' must be a string", param="prompt")
     return encoder._encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
 
 
-def _tokenize_body(encoder, body: dict, model_name: str, max_model_len: int) -> dict[str, Any]:
+def _tokenize_body(encoder: PromptEncoder, body: dict, model_name: str,
+                   max_model_len: int) -> dict[str, Any]:
     """The response to one /tokenize request; raises APIError for a client's mistake."""
     is_chat = body.get("messages") is not None
     if is_chat and body.get("prompt") is not None:
@@ -123,7 +125,8 @@ def _tokenize_body(encoder, body: dict, model_name: str, max_model_len: int) -> 
             "token_strs": encoder.tokenizer.convert_ids_to_tokens(ids) if want_strs else None}
 
 
-def _detokenize_body(encoder, body: dict, model_name: str) -> dict[str, Any]:
+def _detokenize_body(encoder: PromptEncoder, body: dict, model_name: str
+                     ) -> dict[str, Any]:
     """The response to one /detokenize request: the tokenizer's own decode, special
     tokens spelled out (vLLM's default)."""
     _check_fields(body, DETOKENIZE_FIELDS)
@@ -134,7 +137,8 @@ def _detokenize_body(encoder, body: dict, model_name: str) -> dict[str, Any]:
     return {"prompt": encoder.tokenizer.decode(encoder.check_ids(tokens, param="tokens"))}
 
 
-def handlers(encoder, model_name: str, max_model_len: int) -> tuple[Handler, Handler]:
+def handlers(encoder: PromptEncoder, model_name: str, max_model_len: int
+             ) -> tuple[Handler, Handler]:
     """(tokenize, detokenize): aiohttp handlers over the edge's PromptEncoder. Their
     APIErrors are left to the app's error middleware."""
 

@@ -69,6 +69,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "max_completion_tokens": _case("chat", max_completion_tokens=3),
     "add_generation_prompt": _case("chat", add_generation_prompt=False),
     "user": _case("chat", user="u-1"),
+    "developer-role": _case("chat", messages=[{"role": "developer", "content": "be brief"},
+                                              *CHAT_MESSAGES]),
     "ignore_eos": _case("completion", ignore_eos=True),
     # Refused: pdserve does not do these (each a 400 naming it).
     "use_beam_search": _case("completion", use_beam_search=True),

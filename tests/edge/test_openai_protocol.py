@@ -410,6 +410,12 @@ def test_parameters_not_honoured_are_refused_by_name(kind, field, value):
     bad(kind, field, **{field: value})
 
 
+@pytest.mark.parametrize("key", ["chat_template", "add_generation_prompt", "tools"])
+def test_template_kwargs_may_not_set_the_template_or_the_request_fields(key):
+    bad("chat", f"chat_template_kwargs.{key}", chat_template_kwargs={key: "x"})
+    assert parse("chat", chat_template_kwargs={"enable_thinking": False}).template_options
+
+
 def test_unknown_parameters_at_default_are_accepted():
     req = parse("chat", use_beam_search=False, skip_special_tokens=True, store=False, n=1)
     assert req.n == 1
