@@ -153,14 +153,20 @@ def _parse_tool_list(tools: Any) -> tuple[dict, ...]:
     return tuple(tools)
 
 
-def _check_tool(tool: Any, where: str) -> str:
-    if not isinstance(tool, dict):
+def _function_of(item: Any, where: str) -> dict:
+    """The `function` object of a tool or a call: {"type": "function", "function": {...}}."""
+    if not isinstance(item, dict):
         raise _bad(f"'{where}' must be an object", where)
-    if tool.get("type") not in (None, "function"):
+    if item.get("type") not in (None, "function"):
         raise _bad(f"'{where}.type' must be 'function'", f"{where}.type")
-    function = tool.get("function")
+    function = item.get("function")
     if not isinstance(function, dict):
         raise _bad(f"'{where}.function' is required and must be an object", f"{where}.function")
+    return function
+
+
+def _check_tool(tool: Any, where: str) -> str:
+    function = _function_of(tool, where)
     where = f"{where}.function"
     name = function.get("name")
     if not isinstance(name, str) or not name:
@@ -251,16 +257,10 @@ def _template_calls(calls: Any, where: str) -> list[dict]:
 
 
 def _template_call(call: Any, where: str) -> dict:
-    if not isinstance(call, dict):
-        raise _bad(f"'{where}' must be an object", where)
-    if call.get("type") not in (None, "function"):
-        raise _bad(f"'{where}.type' must be 'function'", f"{where}.type")
+    function = _function_of(call, where)
     call_id = call.get("id")
     if call_id is not None and not isinstance(call_id, str):
         raise _bad(f"'{where}.id' must be a string", f"{where}.id")
-    function = call.get("function")
-    if not isinstance(function, dict):
-        raise _bad(f"'{where}.function' is required and must be an object", f"{where}.function")
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise _bad(f"'{where}.function.name' must be a non-empty string", f"{where}.function.name")
