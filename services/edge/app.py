@@ -261,8 +261,11 @@ def start_stream(request: web.Request, req: oai.CompletionRequest,
     renderer = _renderer(request.app, req, streams)
     # One choice's steady outputs may be rendered from the call that read them.
     step = renderer.payload if len(streams) == 1 else None
-    return request.app[STREAMS].start(streams[0], renderer.payloads(),
+    live = request.app[STREAMS].start(streams[0], renderer.payloads(),
                                       owner=request[CALLER].key_id, step=step)
+    if len(streams) > 1:
+        live.task.add_done_callback(lambda task: renderer.end_choices())
+    return live
 
 
 def _plain_framing(request: web.Request) -> bool:

@@ -53,6 +53,7 @@ class Renderer:
                  on_choice_end: Callable[[GenerationStream], None] = lambda s: None):
         self.kind, self.include_usage, self.model = kind, include_usage, model
         self.streams, self.choices, self.on_choice_end = streams, choices, on_choice_end
+        self._ended = False
         self.stream = streams[0]
         self.rid, self.created = self.stream.gen.request_id, int(time.time())
         self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -145,6 +146,14 @@ class Renderer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.end_choices()
+
+    def end_choices(self) -> None:
+        """Count the choices after the first as ended, once (the first is its stream's:
+        the caller ends it). Also called when the stream's task ends, in case it was
+        cancelled before it ran."""
+        if not self._ended:
+            self._ended = True
             for stream in self.streams[1:]:
                 self.on_choice_end(stream)
 
@@ -161,8 +170,7 @@ class Renderer:
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None
         finally:
-            for stream in self.streams[1:]:
-                self.on_choice_end(stream)
+            self.end_choices()
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "choices": [c.whole(s.finish_reason or "stop")
