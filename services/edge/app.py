@@ -31,7 +31,7 @@ from . import openai_protocol as oai
 from .metrics import EdgeMetrics, observe_all
 from . import sse, websocket
 from .admission import Admission, pool_capacity
-from .choices import Choice, TokenText
+from .choices import Choice
 from .events import Renderer
 from .keys import APIKey, KeyRing
 from .openapi import SPEC
@@ -125,7 +125,7 @@ def _sampling(req: oai.CompletionRequest, max_tokens: int, index: int = 0
         stop_token_ids=list(s.stop_token_ids),
         include_stop_str_in_output=s.include_stop_str_in_output)
     if s.seed is not None:
-        p.seed = s.seed + index
+        p.seed = (s.seed + index + 2**63) % 2**64 - 2**63     # int64, as the field is
     # Completions show one alternative more than asked (choices.py): ask the engine for it.
     more = int(req.kind == "completion")
     if s.logprobs is not None:
@@ -185,10 +185,11 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
                              session_id=_session_key(request, req), deadline=deadline,
                              kind=kind)
             streams.append(await place(request.app, request[CALLER], gen, started))
-    except oai.APIError as e:
+    except BaseException as e:
         for stream in streams:              # choices placed before one failed
             _generation_ended(request.app, stream)
-        metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
+        if isinstance(e, oai.APIError):
+            metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
         raise
     streams[0].stats["rate_headers"] = rate_headers
     return req, streams
@@ -242,7 +243,7 @@ def _renderer(app: web.Application, req: oai.CompletionRequest,
               streams: list[GenerationStream]) -> Renderer:
     """How the request's choices render (choices.py)."""
     encoder = app[ENCODER]
-    tokens = TokenText(encoder.tokenizer) if req.sampling.logprobs is not None else None
+    tokens = encoder.token_text if req.sampling.logprobs is not None else None
     echo = None
     if req.echo:
         echo = (req.prompt if isinstance(req.prompt, str)

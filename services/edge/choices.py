@@ -21,7 +21,8 @@ class TokenText:
     """Each token id's own text, as a logprob entry names it (cached per id)."""
 
     def __init__(self, tokenizer):
-        self._decode = tokenizer._tokenizer.decode
+        # A fast tokenizer's Rust model, called directly; any other through its wrapper.
+        self._decode = getattr(tokenizer, "_tokenizer", tokenizer).decode
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .choices import TokenText
 from .openai_protocol import APIError, CompletionRequest
 from .tool_parsers import PARSERS, ToolParser, ToolStream, parser_for
 from .tools import ToolRequest, check_parser, output_stream
@@ -58,6 +59,7 @@ class PromptEncoder:
         self._rust = getattr(self.tokenizer, "_tokenizer", None)
         self._fast = getattr(self._rust, "encode_batch_fast", None)
         self._special_head = self._encode("", add_special_tokens=True)   # BOS, say
+        self.token_text = TokenText(self.tokenizer)     # logprobs' token names, cached
         self.tool_parser: ToolParser | None = (
             parser_for(_model_type(model), getattr(self.tokenizer, "chat_template", None))
             if tool_call_parser == "auto" else PARSERS.get(tool_call_parser))
