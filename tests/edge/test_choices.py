@@ -98,3 +98,13 @@ def test_shapes_validate_against_the_openai_sdk_types(tokens):
     answer = completion.Completion.model_validate(
         {**envelope, "object": "text_completion", "choices": [text.whole("length")]})
     assert answer.choices[0].logprobs.token_logprobs == [-0.5]
+
+
+def test_each_choice_draws_with_the_next_seed_within_int64():
+    """Choice i samples with seed + i (vLLM's children of an n > 1 request), wrapping
+    inside the int64 the field holds."""
+    from services.edge.app import _sampling
+    from services.edge.openai_protocol import parse_request
+    req = parse_request("completion", b'{"model": "m", "prompt": "x", "n": 2, "seed": '
+                        + str(2**63 - 1).encode() + b"}", {"m"})
+    assert [_sampling(req, 5, i).seed for i in (0, 1)] == [2**63 - 1, -(2**63)]
