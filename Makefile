@@ -5,6 +5,8 @@
 #   make test                     stale-stub check, Debian test servers, the whole suite
 #   make clients                  the third-party clients tests/e2e/test_clients.py runs
 #   make proto                    regenerate gRPC stubs after editing proto/
+#   make lock                     resolve lock/*.txt again after editing pyproject.toml's pins
+#   make image [EXTRAS=gpu]       the image (docker, podman or buildah); make image-test runs it
 SHELL := /bin/bash
 PYTHON ?= python3
 EXTRAS ?= cpu
@@ -13,16 +15,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 NATIVE := $(VENV)/.native
 
-.PHONY: run test proto check-proto system-deps clients clean
+.PHONY: run test proto check-proto system-deps clients clean lock image image-test
 
-$(STAMP): pyproject.toml setup.py
+# .venv holds exactly lock/$(EXTRAS)-dev.txt (scripts/install_lock.sh), then pdserve itself.
+LOCK := lock/$(EXTRAS)-dev.txt
+$(STAMP): pyproject.toml setup.py $(LOCK) scripts/install_lock.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS),dev]'
-ifeq ($(EXTRAS),cpu)
-	# Beside the CPU torch these break `import transformers`; triton is 1 GB unused on CPU.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
-endif
+	scripts/install_lock.sh $(PY) $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # The C parts (setup.py: the router's placement core, the edge's byte-level detokenizer),
@@ -68,6 +68,17 @@ $(NODE_CLIENTS)/node_modules/.installed: $(NODE_CLIENTS)/package.json $(NODE_CLI
 # nginx, redis-server, chromium: installed when root, else named (scripts/system_deps.sh).
 system-deps:
 	@scripts/system_deps.sh
+
+# The image (Dockerfile) from lock/$(EXTRAS).txt; image-test runs it as overlays/cpu-dev does.
+image:
+	EXTRAS=$(EXTRAS) scripts/image.sh
+
+image-test: image $(STAMP) $(NATIVE)
+	PDSERVE_IMAGE=pdserve:$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)-cpu \
+		$(PY) -m pytest -q tests/k8s/test_k8s_image.py
+
+lock: $(STAMP)
+	scripts/lock.sh $(VENV)/bin/uv
 
 proto: $(STAMP)
 	scripts/gen_proto.sh

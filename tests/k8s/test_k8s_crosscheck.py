@@ -268,8 +268,9 @@ def test_dockerfile_builds_the_extras_the_manifests_run():
     dockerfile = (ROOT / "Dockerfile").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert re.search(r"^ARG EXTRAS=cpu$", dockerfile, re.MULTILINE)
-    assert 'pip install ".[${EXTRAS}]"' in dockerfile
+    assert "lock/install_lock.sh python lock/${EXTRAS}.txt" in dockerfile
     assert {"cpu", "gpu"} <= set(project["optional-dependencies"])
+    assert all((ROOT / "lock" / f"{extras}.txt").is_file() for extras in ("cpu", "gpu"))
     assert project["scripts"]["pdserve"] == "pdserve.cli:main"
     user = int(re.search(r"^USER (\d+)$", dockerfile, re.MULTILINE).group(1))
     for overlay in OVERLAYS:
