@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from pdserve import telemetry
-from pdserve.config import (TOOL_CALL_PARSERS, EdgeConfig, EngineConfig, KVTransferConfig,
-                            RouterConfig, WorkerConfig)
+from pdserve.config import (ENGINE_DEFAULTS, TOOL_CALL_PARSERS, EdgeConfig, EngineConfig,
+                            KVTransferConfig, RouterConfig, WorkerConfig)
 
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
 
@@ -28,19 +28,53 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+# The engine's by-device knobs, which `up` passes to its workers as resolved for its
+# --device: every engine of the stack alike (a KV block moves between them).
+ENGINE_FLAGS = ("enforce_eager", "block_size", "max_num_batched_tokens",
+                "enable_chunked_prefill")
+
+
+def _by_device(knob: str, show=str) -> str:
+    """A device-dependent default, as help says it."""
+    cpu, cuda = (show(ENGINE_DEFAULTS[d][knob]) for d in ("cpu", "cuda"))
+    return f"default: {cpu} on cpu, {cuda} on cuda" if cpu != cuda else f"default: {cpu}"
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's knobs. One left unset (None) takes its --device's value
+    (pdserve.config.ENGINE_DEFAULTS), which the help names."""
     g = p.add_argument_group("engine (vLLM)")
     g.add_argument("--model", default=_env("PDSERVE_MODEL", ""),
                    help=f"model dir or name (default: the tiny model at {DEFAULT_MODEL_DIR})")
     g.add_argument("--served-model-name", default="", help="name clients use (default: --model)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=_env("PDSERVE_DEVICE", "cpu"))
-    g.add_argument("--dtype", default="", help="float32 on cpu, bfloat16 on cuda by default")
+    g.add_argument("--dtype", default="", help=_by_device("dtype"))
     g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size (cpu)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-gb", type=float, default=1.0,
+                   help="KV cache size in GiB on cpu (default: 1; on cuda "
+                        "--gpu-memory-utilization sizes it)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights and KV cache on cuda "
+                        "(default: 0.9; unused on cpu)")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the model eagerly; --no-enforce-eager: CUDA graphs and "
+                        "torch.compile (" + _by_device(
+                            "enforce_eager", lambda eager: "eager" if eager else "CUDA graphs")
+                        + ")")
+    g.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV cache block ({_by_device('block_size')})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens one engine step computes, prompts' and decodes' together "
+                        f"({_by_device('max_num_batched_tokens')}; without chunked prefill "
+                        "at least --max-model-len)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="split a long prompt over several engine steps, beside decodes ("
+                        + _by_device("enable_chunked_prefill",
+                                     lambda on: "on" if on else "off") + ")")
 
 
 # The router's placement flags, which `up` passes to its router unchanged.
@@ -170,10 +204,13 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
 def _engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model or str(DEFAULT_MODEL_DIR.resolve()), served_model_name=a.served_model_name,
-        device=a.device, dtype=a.dtype or ("float32" if a.device == "cpu" else "bfloat16"),
+        device=a.device, dtype=a.dtype or None,
         max_model_len=a.max_model_len, kv_cache_bytes=int(a.kv_cache_gb * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization,
-        tensor_parallel_size=a.tensor_parallel_size, max_num_seqs=a.max_num_seqs, seed=a.seed)
+        tensor_parallel_size=a.tensor_parallel_size, max_num_seqs=a.max_num_seqs, seed=a.seed,
+        enforce_eager=a.enforce_eager, block_size=a.block_size,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        enable_chunked_prefill=a.enable_chunked_prefill)
 
 
 def _parser() -> argparse.ArgumentParser:

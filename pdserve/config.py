@@ -25,19 +25,45 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")
 DECODE_WINDOW_BYTES = 8192
 
 
+# An engine knob left unset (None) takes its device's value. CPU: a quick start and exact
+# numbers on a small box (block and batch as vLLM's CPU platform picks them); CUDA: what
+# `vllm serve` picks on an H100.
+ENGINE_DEFAULTS: dict[str, dict[str, object]] = {
+    "cpu": {"dtype": "float32",               # exact, and faster than bfloat16 on CPU
+            "enforce_eager": True,            # torch.compile costs ~30 s at start on CPU
+            "block_size": 128,                # vLLM's CPU attention wants multiples of 32
+            "max_num_batched_tokens": 2048,
+            "enable_chunked_prefill": True},
+    "cuda": {"dtype": "bfloat16",
+             "enforce_eager": False,          # CUDA graphs: decode steps without launch gaps
+             "block_size": 16,
+             "max_num_batched_tokens": 8192,  # larger prefill chunks keep a GPU busy
+             "enable_chunked_prefill": True},
+}
+
+
+def engine_defaults(device: str) -> dict[str, object]:
+    """The engine knobs' values on `device` ("cpu" | "cuda") when not given."""
+    return dict(ENGINE_DEFAULTS[device])
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """How a worker builds its vLLM engine. CPU defaults; GPU flags override."""
+    """How a worker builds its vLLM engine. A knob left None takes its device's
+    value (ENGINE_DEFAULTS) at construction."""
 
     model: str
     served_model_name: str = ""
     device: str = "cpu"                  # "cpu" | "cuda"
-    dtype: str = "float32"               # exact and faster on CPU; bfloat16 on GPU
+    dtype: str | None = None
     max_model_len: int = 2048
     kv_cache_bytes: int = 1 << 30        # CPU needs an explicit KV size
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # CUDA: the share for weights and KV
     tensor_parallel_size: int = 1
-    enforce_eager: bool = True           # compile costs ~30 s at start on CPU
+    enforce_eager: bool | None = None    # False: CUDA graphs (and torch.compile)
+    block_size: int | None = None        # tokens per KV block
+    max_num_batched_tokens: int | None = None    # tokens one engine step computes
+    enable_chunked_prefill: bool | None = None   # a long prompt over several steps
     max_num_seqs: int = 64
     seed: int = 0
 
@@ -46,14 +72,30 @@ class EngineConfig:
             raise ValueError("model must be a path or a model name")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        defaults = engine_defaults(self.device)
+        if self.enable_chunked_prefill is False:
+            # As vLLM does: unchunked, one step must hold the longest prompt.
+            defaults["max_num_batched_tokens"] = max(defaults["max_num_batched_tokens"],
+                                                     self.max_model_len)
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)   # frozen: resolved once, here
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"dtype must be float32|bfloat16|float16|auto, got {self.dtype!r}")
         _check_positive("max_model_len", self.max_model_len)
         _check_positive("kv_cache_bytes", self.kv_cache_bytes)
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("block_size", self.block_size)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens must be >= max_num_seqs "
+                             f"({self.max_num_seqs}), got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens must be >= max_model_len "
+                             f"({self.max_model_len}) without chunked prefill, "
+                             f"got {self.max_num_batched_tokens}")
 
     @property
     def name(self) -> str:

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdserve.cli import PLACEMENT_FLAGS, EDGE_FLAGS
+from pdserve.cli import ENGINE_FLAGS, PLACEMENT_FLAGS, EDGE_FLAGS
 from pdserve.config import EngineConfig
 
 _READY_TIMEOUT_S = 600
@@ -74,12 +74,13 @@ def _passed_on(name: str, value) -> list[str]:
 
 
 def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
-    return ["--model", eng.model, "--served-model-name", eng.name, "--device", eng.device,
-            "--dtype", eng.dtype, "--max-model-len", str(eng.max_model_len),
-            "--kv-cache-gb", str(a.kv_cache_gb),
-            "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
-            "--tensor-parallel-size", str(eng.tensor_parallel_size),
-            "--max-num-seqs", str(eng.max_num_seqs), "--seed", str(eng.seed)]
+    return (["--model", eng.model, "--served-model-name", eng.name, "--device", eng.device,
+             "--dtype", eng.dtype, "--max-model-len", str(eng.max_model_len),
+             "--kv-cache-gb", str(a.kv_cache_gb),
+             "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
+             "--tensor-parallel-size", str(eng.tensor_parallel_size),
+             "--max-num-seqs", str(eng.max_num_seqs), "--seed", str(eng.seed)]
+            + [arg for name in ENGINE_FLAGS for arg in _passed_on(name, getattr(eng, name))])
 
 
 def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[str], dict]]:

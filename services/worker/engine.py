@@ -29,6 +29,33 @@ def kv_events_path(pid: int | None = None) -> str:
     return f"{tempfile.gettempdir()}/pdserve-kv-events-{pid or os.getpid()}"
 
 
+def engine_args(cfg: EngineConfig, role: str, kv: KVTransferConfig | None) -> dict:
+    """`AsyncEngineArgs`' keyword arguments for `cfg`, all but the KV-event publisher
+    (`kv_events_config`, a vLLM object the engine adds): no vLLM import, no engine."""
+    return dict(
+        model=cfg.model,
+        served_model_name=[cfg.name],
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager,
+        block_size=cfg.block_size,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        max_num_seqs=cfg.max_num_seqs,
+        seed=cfg.seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        # Prefix caching on both roles: a prefill engine computes only a
+        # later turn's new tokens, and a decode engine keeps the blocks of
+        # earlier turns, so a P/D pull moves only the blocks it lacks.
+        enable_prefix_caching=True,
+        kv_transfer_config=engine_kv_config(role, kv) if kv else None,
+        # Lease control beside vLLM's model workers (transfer/leases.py).
+        worker_extension_cls=LEASE_EXTENSION if kv else "",
+        **({"kv_cache_memory_bytes": cfg.kv_cache_bytes} if cfg.device == "cpu"
+           else {"gpu_memory_utilization": cfg.gpu_memory_utilization}),
+    )
+
+
 class VllmEngine:
     """One in-process vLLM v1 engine (`AsyncLLM`) configured for a worker role."""
 
@@ -38,30 +65,13 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.kv_events_path = kv_events_path()
+        # Stored/evicted blocks are published for the router's prefix index (on
+        # this machine only, see kv_events_path).
         args = AsyncEngineArgs(
-            model=cfg.model,
-            served_model_name=[cfg.name],
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager,
-            max_num_seqs=cfg.max_num_seqs,
-            seed=cfg.seed,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            # Prefix caching on both roles: a prefill engine computes only a
-            # later turn's new tokens, and a decode engine keeps the blocks of
-            # earlier turns, so a P/D pull moves only the blocks it lacks.
-            # Stored/evicted blocks are published for the router's prefix
-            # index (on this machine only, see kv_events_path).
-            enable_prefix_caching=True,
+            **engine_args(cfg, role, kv),
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq",
-                endpoint=f"ipc://{self.kv_events_path}"),
-            kv_transfer_config=engine_kv_config(role, kv) if kv else None,
-            # Lease control beside vLLM's model workers (transfer/leases.py).
-            worker_extension_cls=LEASE_EXTENSION if kv else "",
-            **({"kv_cache_memory_bytes": cfg.kv_cache_bytes} if cfg.device == "cpu"
-               else {"gpu_memory_utilization": cfg.gpu_memory_utilization}),
-        )
+                endpoint=f"ipc://{self.kv_events_path}"))
         self.cfg = cfg
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[_scheduler_snapshot()])
         log.info("engine ready: model=%s role=%s dtype=%s", cfg.name, role, cfg.dtype)

@@ -16,6 +16,10 @@ from pdserve.config import EdgeConfig, EngineConfig, KVTransferConfig, RouterCon
     (lambda: EngineConfig(model="m", dtype="int3"), "dtype"),
     (lambda: EngineConfig(model="m", max_model_len=0), "max_model_len"),
     (lambda: EngineConfig(model="m", gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (lambda: EngineConfig(model="m", block_size=0), "block_size"),
+    (lambda: EngineConfig(model="m", max_num_batched_tokens=32), "max_num_batched_tokens"),
+    (lambda: EngineConfig(model="m", max_num_batched_tokens=1024, enable_chunked_prefill=False),
+     "max_num_batched_tokens"),
     (lambda: KVTransferConfig(side_channel_port=70000), "side_channel_port"),
     (lambda: KVTransferConfig(connector="carrier-pigeon"), "connector"),
     (lambda: KVTransferConfig(mode="teleport"), "mode"),
@@ -38,6 +42,67 @@ def test_defaults_are_cpu_and_loopback():
     assert (engine.device, engine.dtype, engine.name) == ("cpu", "float32", "m")
     assert EdgeConfig(model="m").host == RouterConfig().host == "127.0.0.1"
     assert EdgeConfig(model="m").port == 8000
+
+
+# What an engine knob is when not given: eager and vLLM's CPU block and batch on CPU;
+# CUDA graphs, vLLM's GPU block and an H100's batch on CUDA.
+BY_DEVICE = {
+    "cpu": {"dtype": "float32", "enforce_eager": True, "block_size": 128,
+            "max_num_batched_tokens": 2048, "enable_chunked_prefill": True},
+    "cuda": {"dtype": "bfloat16", "enforce_eager": False, "block_size": 16,
+             "max_num_batched_tokens": 8192, "enable_chunked_prefill": True},
+}
+
+
+def _knobs(cfg: EngineConfig) -> dict:
+    return {name: getattr(cfg, name) for name in BY_DEVICE["cpu"]}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_engines_knobs_default_by_its_device(device):
+    from pdserve.cli import _config, _parser
+    assert _knobs(EngineConfig(model="m", device=device)) == BY_DEVICE[device]
+    # The CLI leaves them to the config: the same for a worker and for `up`.
+    for argv in (["decode", "--device", device], ["up", "--device", device]):
+        cfg = _config(_parser().parse_args(argv))
+        assert _knobs(getattr(cfg, "engine", cfg)) == BY_DEVICE[device]
+
+
+def test_cuda_runs_cuda_graphs_and_cpu_stays_eager():
+    from pdserve.cli import _config, _parser
+    assert _config(_parser().parse_args(["prefill", "--device", "cuda"])).engine.enforce_eager \
+        is False
+    assert _config(_parser().parse_args(["prefill"])).engine.enforce_eager is True
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_engine_flags_override_the_device_defaults(device):
+    from pdserve.cli import _config, _parser
+    given = {"dtype": "float16", "enforce_eager": device == "cuda", "block_size": 32,
+             "max_num_batched_tokens": 4096, "enable_chunked_prefill": False}
+    cfg = _config(_parser().parse_args([
+        "decode", "--device", device, "--dtype", "float16",
+        "--enforce-eager" if device == "cuda" else "--no-enforce-eager", "--block-size", "32",
+        "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill"]))
+    assert _knobs(cfg.engine) == given
+
+
+def test_without_chunked_prefill_a_step_holds_the_longest_prompt_by_default():
+    """As vLLM does when not told: an unchunked prompt must fit one step."""
+    cfg = EngineConfig(model="m", max_model_len=4096, enable_chunked_prefill=False)
+    assert cfg.max_num_batched_tokens == 4096
+    assert EngineConfig(model="m", device="cuda", max_model_len=4096,
+                        enable_chunked_prefill=False).max_num_batched_tokens == 8192
+
+
+def test_engine_help_names_each_devices_default():
+    from pdserve.cli import _parser
+    sub = _parser()._subparsers._group_actions[0].choices["up"]
+    helps = {a.dest: a.help for a in sub._actions}
+    assert "eager on cpu, CUDA graphs on cuda" in helps["enforce_eager"]
+    assert "128 on cpu, 16 on cuda" in helps["block_size"]
+    assert "2048 on cpu, 8192 on cuda" in helps["max_num_batched_tokens"]
+    assert "float32 on cpu, bfloat16 on cuda" in helps["dtype"]
 
 
 def test_cli_rejects_bad_flag_with_exit_2():

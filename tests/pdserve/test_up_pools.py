@@ -91,3 +91,32 @@ def test_static_engines_on_an_edge_need_its_own_router():
     cfg = _config(_parser().parse_args(["edge", "--router", "embedded",
                                         "--decode-worker", "127.0.0.1:1"]))
     assert cfg.embedded_router.static_workers == (("decode", "127.0.0.1:1"),)
+
+
+def _engine_knobs(cmd: list[str]):
+    """A worker's command line, parsed back: its engine's by-device knobs."""
+    role = next(i for i, arg in enumerate(cmd) if arg in ("prefill", "decode"))
+    e = _config(_parser().parse_args(cmd[role:])).engine
+    return (e.device, e.dtype, e.enforce_eager, e.block_size, e.max_num_batched_tokens,
+            e.enable_chunked_prefill)
+
+
+@pytest.mark.parametrize("device,expected", [
+    ("cpu", ("cpu", "float32", True, 128, 2048, True)),
+    ("cuda", ("cuda", "bfloat16", False, 16, 8192, True)),
+])
+def test_every_worker_gets_the_engine_knobs_of_ups_device(device, expected):
+    plan = _plan("--device", device, "--decode-workers", "2")
+    workers = [plan[n] for n in ("prefill-0", "decode-0", "decode-1")]
+    assert {_engine_knobs(c) for c in workers} == {expected}
+    eager = "--enforce-eager" if expected[2] else "--no-enforce-eager"
+    assert all(eager in c for c in workers)
+
+
+def test_ups_engine_flags_reach_every_worker():
+    plan = _plan("--device", "cuda", "--enforce-eager", "--block-size", "32",
+                 "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill",
+                 "--dtype", "float16")
+    for name in ("prefill-0", "decode-0"):
+        assert _engine_knobs(plan[name]) == ("cuda", "float16", True, 32, 4096, False)
+    assert "--block-size" not in plan["edge"] and "--enforce-eager" not in plan["router"]
