@@ -146,3 +146,15 @@ def test_a_worker_refuses_a_side_channel_port_another_process_listens_on():
         held.listen()
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{port} is in use"):
             check_side_channel(KVTransferConfig(side_channel_port=port))
+
+
+def test_an_ipv6_worker_advertises_brackets_and_binds_bare():
+    from pdserve.cli import _config, _parser
+    cfg = _config(_parser().parse_args(["decode", "--host", "::", "--advertise-host",
+                                        "[fd00::7]", "--router", "[fd00::1]:50051"]))
+    assert (cfg.host, cfg.advertise_host, cfg.router) == ("::", "fd00::7", "[fd00::1]:50051")
+    # vLLM's NIXL connector takes the side channel's host bare and brackets it itself.
+    assert cfg.kv.side_channel_host == "fd00::7"
+    assert RouterConfig(static_workers=(("decode", "[::1]:50071"),)).static_workers
+    with pytest.raises(ValueError, match=r"\[IPV6\]:PORT"):
+        RouterConfig(static_workers=(("decode", "::1:50071"),))
