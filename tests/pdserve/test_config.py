@@ -148,6 +148,22 @@ def test_a_worker_refuses_a_side_channel_port_another_process_listens_on():
             check_side_channel(KVTransferConfig(side_channel_port=port))
 
 
+def test_an_ipv6_side_channel_port_is_checked_on_ipv6():
+    import socket
+    from support import free_port, ipv6_loopback
+    from transfer.connector import check_side_channel
+    if not ipv6_loopback():
+        pytest.skip("no IPv6 loopback (::1) on this machine")
+    port = free_port()
+    kv = KVTransferConfig(side_channel_host="::1", side_channel_port=port)
+    check_side_channel(kv)
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", port))
+        held.listen()
+        with pytest.raises(RuntimeError, match=rf"\[::1\]:{port} is in use"):
+            check_side_channel(kv)
+
+
 def test_an_ipv6_worker_advertises_brackets_and_binds_bare():
     from pdserve.cli import _config, _parser
     cfg = _config(_parser().parse_args(["decode", "--host", "::", "--advertise-host",
