@@ -315,8 +315,10 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     from transfer.connector import engine_kv_env
 
     env = engine_kv_env(cfg.kv)
-    # An operator's UCX device (a pod's eth0, between pods) wins; loopback fits one machine.
-    env["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", env["UCX_NET_DEVICES"])
+    # An operator's UCX device (a pod's eth0, between pods) and address family win;
+    # loopback fits one machine.
+    for name in ("UCX_NET_DEVICES", "UCX_TCP_AF_PRIO"):
+        env[name] = os.environ.get(name, env[name])
     os.environ.update(env)
     if cfg.engine.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, cfg.engine.kv_cache_bytes >> 30))

@@ -69,6 +69,9 @@ def engine_kv_env(cfg: KVTransferConfig) -> dict[str, str]:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(cfg.side_channel_port),
         # Keep UCX on loopback on a dev box; GPU deployments override.
         "UCX_NET_DEVICES": "lo" if cfg.buffer_device == "cpu" else "all",
+        # UCX's TCP transport takes a device's IPv4 address before its IPv6 one; a worker
+        # advertising IPv6 moves its blocks over IPv6 too (IPv4 on a device without one).
+        "UCX_TCP_AF_PRIO": "inet6,inet" if is_ipv6(cfg.side_channel_host) else "inet,inet6",
     }
 
 

@@ -174,3 +174,10 @@ def test_an_ipv6_worker_advertises_brackets_and_binds_bare():
     assert RouterConfig(static_workers=(("decode", "[::1]:50071"),)).static_workers
     with pytest.raises(ValueError, match=r"\[IPV6\]:PORT"):
         RouterConfig(static_workers=(("decode", "::1:50071"),))
+
+
+def test_an_ipv6_side_channel_moves_the_blocks_over_ipv6_too():
+    from transfer.connector import engine_kv_env
+    v6 = engine_kv_env(KVTransferConfig(side_channel_host="::1"))
+    assert (v6["VLLM_NIXL_SIDE_CHANNEL_HOST"], v6["UCX_TCP_AF_PRIO"]) == ("::1", "inet6,inet")
+    assert engine_kv_env(KVTransferConfig())["UCX_TCP_AF_PRIO"] == "inet,inet6"   # UCX's own
