@@ -20,6 +20,7 @@ from pathlib import Path
 from pdserve import telemetry
 from pdserve.config import (ENGINE_DEFAULTS, TOOL_CALL_PARSERS, EdgeConfig, EngineConfig,
                             KVTransferConfig, RouterConfig, WorkerConfig)
+from pdserve.netaddr import unbracketed
 
 DEFAULT_MODEL_DIR = Path("models/tiny-llama")
 
@@ -223,7 +224,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start router, prefill, decode and edge on this machine")
-    up.add_argument("--host", default=_env("PDSERVE_HOST", "127.0.0.1"), help="edge bind address")
+    up.add_argument("--host", type=unbracketed, default=_env("PDSERVE_HOST", "127.0.0.1"),
+                    help="edge bind address (`::`: every IPv6 and IPv4 address); the router "
+                         "and workers bind loopback of its family (127.0.0.1 or ::1)")
     up.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")), help="edge port")
     up.add_argument("--grpc-port", type=int, default=50081,
                     help="edge's internal Inference gRPC API")
@@ -262,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_edge_flags(up)
 
     r = sub.add_parser("router", help="run the router")
-    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--host", type=unbracketed, default="127.0.0.1")
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--cpus", default="", help="cores to run on (default: any)")
     r.add_argument("--metrics-port", type=int, default=0,
@@ -272,9 +275,10 @@ def _parser() -> argparse.ArgumentParser:
 
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"run a {role} worker")
-        w.add_argument("--host", default="127.0.0.1")
+        w.add_argument("--host", type=unbracketed, default="127.0.0.1")
         w.add_argument("--port", type=int, default=0)
-        w.add_argument("--advertise-host", default="", help="address others dial (default --host)")
+        w.add_argument("--advertise-host", type=unbracketed, default="",
+                       help="address others dial (default --host)")
         w.add_argument("--router", default="127.0.0.1:50051")
         w.add_argument("--worker-id", default="")
         w.add_argument("--kv-port", type=int, default=5600, help="NIXL side-channel port")
@@ -293,14 +297,15 @@ def _parser() -> argparse.ArgumentParser:
         _add_engine_flags(w)
 
     e = sub.add_parser("edge", help="run the HTTP edge")
-    e.add_argument("--host", default=_env("PDSERVE_HOST", "127.0.0.1"))
+    e.add_argument("--host", type=unbracketed, default=_env("PDSERVE_HOST", "127.0.0.1"),
+                   help="bind address (`::`: every IPv6 and IPv4 address)")
     e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
     e.add_argument("--grpc-port", type=int, default=50081, help="internal Inference gRPC API")
     e.add_argument("--router", default="127.0.0.1:50051",
                    help="the router's HOST:PORT, or `embedded`: run it in this process, "
                         "serving the Router service on --router-host:--router-port for "
                         "workers to register with (the placement flags below apply)")
-    e.add_argument("--router-host", default="127.0.0.1",
+    e.add_argument("--router-host", type=unbracketed, default="127.0.0.1",
                    help="with --router embedded: where the Router service binds")
     e.add_argument("--router-port", type=int, default=RouterConfig().port,
                    help="with --router embedded: the Router service's port")
@@ -347,8 +352,10 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     from transfer.connector import engine_kv_env
 
     env = engine_kv_env(cfg.kv)
-    # An operator's UCX device (a pod's eth0, between pods) wins; loopback fits one machine.
-    env["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", env["UCX_NET_DEVICES"])
+    # An operator's UCX device (a pod's eth0, between pods) and address family win;
+    # loopback fits one machine.
+    for name in ("UCX_NET_DEVICES", "UCX_TCP_AF_PRIO"):
+        env[name] = os.environ.get(name, env[name])
     os.environ.update(env)
     if cfg.engine.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, cfg.engine.kv_cache_bytes >> 30))

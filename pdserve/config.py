@@ -8,10 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.netaddr import split_hostport
+
 
 def _check_port(name: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise ValueError(f"{name} must be a TCP port (0-65535), got {port}")
+
+
+def _is_hostport(address: str) -> bool:
+    try:
+        split_hostport(address)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -184,10 +194,9 @@ class RouterConfig:
         if self.balance_slack < 0:
             raise ValueError(f"balance_slack must be >= 0, got {self.balance_slack}")
         for role, address in self.static_workers:
-            host, _, port = address.rpartition(":")
-            if role not in ("prefill", "decode") or not host or not port.isdigit():
-                raise ValueError(f"static worker must be a prefill/decode HOST:PORT, "
-                                 f"got {role} {address!r}")
+            if role not in ("prefill", "decode") or not _is_hostport(address):
+                raise ValueError(f"static worker must be a prefill/decode HOST:PORT "
+                                 f"([IPV6]:PORT), got {role} {address!r}")
         _check_positive("worker_timeout_seconds", self.worker_timeout_seconds)
 
 

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve import telemetry
+from pdserve.netaddr import hostport
 
 # Keepalive: detect a dead peer in ~20 s instead of waiting on TCP timeouts;
 # long token streams stay open for minutes, so pings must be allowed without
@@ -66,9 +67,9 @@ class Server:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = ["", *service_names]
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = self.server.add_insecure_port(hostport(host, port))
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+            raise OSError(f"cannot bind gRPC server to {hostport(host, port)}")
 
     async def start(self) -> None:
         """Start serving and report SERVING."""

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pdserve.cli import ENGINE_FLAGS, PLACEMENT_FLAGS, EDGE_FLAGS
 from pdserve.config import EngineConfig
+from pdserve.netaddr import dialable, hostport, loopback
 
 _READY_TIMEOUT_S = 600
 # A child stopping gets its drain (--drain-seconds, the edge's and every worker's)
@@ -88,8 +89,11 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     side-channel port --kv-port + k and metrics port --worker-metrics-port + k."""
     me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level,
           "--log-format", a.log_format]
+    # Only the edge listens where --host says; the rest stay on loopback, of --host's
+    # family so that an IPv6-only stack (--host ::1) needs no IPv4.
+    inside = loopback(a.host)
     # --router-in-edge: no router process; the edge serves the router's port itself.
-    router = f"127.0.0.1:{a.router_port}"
+    router = hostport(inside, a.router_port)
     units = _placement(a, eng)
     workers = []
     for role, first_port in (("prefill", a.prefill_port), ("decode", a.decode_port)):
@@ -100,7 +104,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
             metrics = (["--metrics-port", str(a.worker_metrics_port + k)]
                        if a.worker_metrics_port else [])
             workers.append((f"{role}-{i}", me + [
-                role, "--port", str(first_port + i), "--router", router,
+                role, "--host", inside, "--port", str(first_port + i), "--router", router,
                 "--kv-port", str(a.kv_port + k), "--kv-lease-seconds", str(a.kv_lease_seconds),
                 "--kv-transfer-mode", a.kv_transfer_mode,
                 "--worker-id", f"{role}-{i}", "--drain-seconds", str(a.drain_seconds)]
@@ -116,7 +120,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                       if a.router_metrics_port else [])
     edge = ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
                           "--grpc-port", str(a.grpc_port),
-                          *(["--router", "embedded", "--router-port", str(a.router_port)]
+                          *(["--router", "embedded", "--router-host", inside,
+                             "--router-port", str(a.router_port)]
                             if a.router_in_edge else ["--router", router]),
                           "--model", eng.model, "--served-model-name", eng.name,
                           "--max-model-len", str(eng.max_model_len),
@@ -125,9 +130,8 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
             + (placement if a.router_in_edge else []) + gateway_pin, {})
     if a.router_in_edge:
         return [*workers, edge]
-    return [("router", me + ["router", "--port", str(a.router_port)] + gateway_pin + placement
-             + router_metrics,
-             {}),
+    return [("router", me + ["router", "--host", inside, "--port", str(a.router_port)]
+             + gateway_pin + placement + router_metrics, {}),
             *workers, edge]
 
 
@@ -261,7 +265,7 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     children = Children({name: (cmd, env) for name, cmd, env in _commands(a, eng)})
-    health = f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '') else a.host}:{a.port}/health"
+    health = f"http://{hostport(dialable(a.host), a.port)}/health"
     try:
         for name in children.commands:
             children.start(name, time.monotonic())
@@ -271,9 +275,9 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
             children.watch(time.monotonic())
             if not ready and healthy(health):
                 ready = True
-                where = f"127.0.0.1:{a.router_port}" + (" in the edge" if a.router_in_edge
-                                                          else "")
-                print(f"pdserve ready: http://{a.host}:{a.port} (router {where},"
+                where = hostport(loopback(a.host), a.router_port) + (
+                    " in the edge" if a.router_in_edge else "")
+                print(f"pdserve ready: http://{hostport(a.host, a.port)} (router {where},"
                       f" {a.prefill_workers} prefill from :{a.prefill_port}, {a.decode_workers}"
                       f" decode from :{a.decode_port}, model {eng.name})", flush=True)
             if not ready and time.monotonic() > ready_by:

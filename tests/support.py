@@ -14,11 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.deployments import free_port, free_port_run, metric_sum  # noqa: F401 (one source)
+from pdserve.netaddr import split_hostport
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "tiny-llama"
 
 
+def ipv6_loopback() -> bool:
+    """Whether this machine can listen on ::1 (a container may have no IPv6 at all)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -35,9 +44,9 @@ def raw_exchange(url: str, data: bytes, timeout: float = 5) -> RawAnswer | None:
     closed the connection without one or is still waiting for the rest. Parsed by
     hand: aiohttp answers in the request's HTTP version ("HTTP/2.0 400"), which
     http.client refuses."""
-    host, port = url.removeprefix("http://").split(":")
     got = b""
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+    with socket.create_connection(split_hostport(url.removeprefix("http://")),
+                                  timeout=timeout) as sock:
         sock.sendall(data)
         try:
             while b"\r\n\r\n" not in got:

@@ -14,6 +14,7 @@ import socket
 from typing import Any
 
 from pdserve.config import KVTransferConfig
+from pdserve.netaddr import hostport, is_ipv6
 
 # vLLM roles: the prefill engine produces blocks, the decode engine consumes
 # them. The decode worker still serves requests without a KV handle (local
@@ -68,6 +69,9 @@ def engine_kv_env(cfg: KVTransferConfig) -> dict[str, str]:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(cfg.side_channel_port),
         # Keep UCX on loopback on a dev box; GPU deployments override.
         "UCX_NET_DEVICES": "lo" if cfg.buffer_device == "cpu" else "all",
+        # UCX's TCP transport takes a device's IPv4 address before its IPv6 one; a worker
+        # advertising IPv6 moves its blocks over IPv6 too (IPv4 on a device without one).
+        "UCX_TCP_AF_PRIO": "inet6,inet" if is_ipv6(cfg.side_channel_host) else "inet,inet6",
     }
 
 
@@ -78,16 +82,17 @@ def check_side_channel(cfg: KVTransferConfig) -> None:
     when the bind fails the thread dies and the engine's start hangs for good, with
     the error only in the engine's log. A worker checks first and exits naming the
     port (the bind is done the way ZMQ binds, `SO_REUSEADDR` set)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    family = socket.AF_INET6 if is_ipv6(cfg.side_channel_host) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((cfg.side_channel_host, cfg.side_channel_port))
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
                 return      # not ours to judge (an advertised, non-local host): vLLM will
-            raise RuntimeError(
-                f"KV side-channel port {cfg.side_channel_host}:{cfg.side_channel_port} is "
-                "in use by another process; give this worker another --kv-port") from e
+            where = hostport(cfg.side_channel_host, cfg.side_channel_port)
+            raise RuntimeError(f"KV side-channel port {where} is in use by another process; "
+                               "give this worker another --kv-port") from e
 
 
 def request_params_for_prefill() -> dict[str, Any]:

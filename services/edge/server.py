@@ -7,6 +7,7 @@ from aiohttp import web
 
 from pdserve.config import EdgeConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
+from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 from pdserve.v1 import inference_pb2_grpc
 from services.router.local import LocalRouter
@@ -66,13 +67,15 @@ async def serve(cfg: EdgeConfig) -> None:
     await runner.setup()
     # backlog: a burst of thousands of connections must queue, not be refused
     # (aiohttp's default of 128 dropped 740 of 10,000 streams opened in a second).
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
+    # `::`: every address of both families, as gRPC's [::] takes IPv4 too (asyncio binds
+    # `::` IPv6-only; no host binds 0.0.0.0 and :: side by side).
+    site = web.TCPSite(runner, None if cfg.host == "::" else cfg.host, cfg.port, backlog=4096)
     await site.start()
     freeze_startup_heap(full_every=FULL_COLLECTION_EVERY)
-    log.info("edge listening on http://%s:%d, Inference gRPC on :%d (model %s, router %s)",
-             cfg.host, cfg.port, grpc_server.port, cfg.name,
-             f"embedded, Router gRPC on {cfg.embedded_router.host}:{router.port}" if router
-             else cfg.router)
+    log.info("edge listening on http://%s, Inference gRPC on :%d (model %s, router %s)",
+             hostport(cfg.host, cfg.port), grpc_server.port, cfg.name,
+             f"embedded, Router gRPC on {hostport(cfg.embedded_router.host, router.port)}"
+             if router else cfg.router)
     try:
         await until_signalled()
     finally:

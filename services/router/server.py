@@ -14,6 +14,7 @@ import prometheus_client
 
 from pdserve.config import RouterConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
+from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -153,7 +154,7 @@ async def serve(cfg: RouterConfig) -> None:
     if cfg.metrics_port:
         prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host,
                                             registry=router.service.metrics.registry)
-    log.info("router listening on %s:%d (%d static workers)", cfg.host, router.port,
+    log.info("router listening on %s (%d static workers)", hostport(cfg.host, router.port),
              len(cfg.static_workers))
     try:
         await until_signalled()

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.config import WorkerConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
+from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
 from transfer.connector import CONTINUES_PREFILL, check_side_channel, continues_prefill
@@ -79,7 +80,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         prometheus_client.Info("pdserve:worker", "This worker: its id, role and model").info(
             {"worker_id": worker_id, "role": cfg.role, "model_name": cfg.engine.name})
         prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host)
-    address = f"{cfg.advertise_host or cfg.host}:{server.port}"
+    address = hostport(cfg.advertise_host or cfg.host, server.port)
     info = router_pb2.WorkerInfo(worker_id=worker_id, role=_ROLES[cfg.role], address=address,
                                  model=cfg.engine.name, serving=True,
                                  continues_prefill=continues)

@@ -23,6 +23,7 @@ import time
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 
 from .batched import SERVICE_NAME as BATCHED_SERVICE
@@ -135,8 +136,8 @@ async def serve(model: str, served_model_name: str, host: str, port: int, rate: 
     engine = SyntheticEngine(AutoTokenizer.from_pretrained(model), served_model_name or model, rate)
     server = Server(host, port, lambda s: add_to_server(engine, s), SERVICE_NAMES)
     await server.start()
-    log.info("synthetic engine listening on %s:%d (%s, %.1f chunks/s per stream)", host,
-             server.port, engine.name, rate)
+    log.info("synthetic engine listening on %s (%s, %.1f chunks/s per stream)",
+             hostport(host, server.port), engine.name, rate)
     try:
         await until_signalled()
     finally:

@@ -211,3 +211,38 @@ def test_a_worker_refuses_a_side_channel_port_another_process_listens_on():
         held.listen()
         with pytest.raises(RuntimeError, match=f"127.0.0.1:{port} is in use"):
             check_side_channel(KVTransferConfig(side_channel_port=port))
+
+
+def test_an_ipv6_side_channel_port_is_checked_on_ipv6():
+    import socket
+    from support import free_port, ipv6_loopback
+    from transfer.connector import check_side_channel
+    if not ipv6_loopback():
+        pytest.skip("no IPv6 loopback (::1) on this machine")
+    port = free_port()
+    kv = KVTransferConfig(side_channel_host="::1", side_channel_port=port)
+    check_side_channel(kv)
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", port))
+        held.listen()
+        with pytest.raises(RuntimeError, match=rf"\[::1\]:{port} is in use"):
+            check_side_channel(kv)
+
+
+def test_an_ipv6_worker_advertises_brackets_and_binds_bare():
+    from pdserve.cli import _config, _parser
+    cfg = _config(_parser().parse_args(["decode", "--host", "::", "--advertise-host",
+                                        "[fd00::7]", "--router", "[fd00::1]:50051"]))
+    assert (cfg.host, cfg.advertise_host, cfg.router) == ("::", "fd00::7", "[fd00::1]:50051")
+    # vLLM's NIXL connector takes the side channel's host bare and brackets it itself.
+    assert cfg.kv.side_channel_host == "fd00::7"
+    assert RouterConfig(static_workers=(("decode", "[::1]:50071"),)).static_workers
+    with pytest.raises(ValueError, match=r"\[IPV6\]:PORT"):
+        RouterConfig(static_workers=(("decode", "::1:50071"),))
+
+
+def test_an_ipv6_side_channel_moves_the_blocks_over_ipv6_too():
+    from transfer.connector import engine_kv_env
+    v6 = engine_kv_env(KVTransferConfig(side_channel_host="::1"))
+    assert (v6["VLLM_NIXL_SIDE_CHANNEL_HOST"], v6["UCX_TCP_AF_PRIO"]) == ("::1", "inet6,inet")
+    assert engine_kv_env(KVTransferConfig())["UCX_TCP_AF_PRIO"] == "inet,inet6"   # UCX's own

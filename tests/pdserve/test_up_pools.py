@@ -120,3 +120,26 @@ def test_ups_engine_flags_reach_every_worker():
     for name in ("prefill-0", "decode-0"):
         assert _engine_knobs(plan[name]) == ("cuda", "float16", True, 32, 4096, False)
     assert "--block-size" not in plan["edge"] and "--enforce-eager" not in plan["router"]
+
+
+def _configs(plan: dict[str, list[str]]) -> dict:
+    return {name: _config(_parser().parse_args(cmd[cmd.index("pdserve.cli") + 1:]))
+            for name, cmd in plan.items()}
+
+
+def test_an_ipv6_host_keeps_the_whole_stack_on_ipv6_loopback():
+    cfgs = _configs(_plan("--host", "::1", "--router-port", "50999"))
+    assert (cfgs["edge"].host, cfgs["edge"].router) == ("::1", "[::1]:50999")
+    assert (cfgs["router"].host, cfgs["router"].port) == ("::1", 50999)
+    for worker in (cfgs["prefill-0"], cfgs["decode-0"]):
+        assert (worker.host, worker.router, worker.kv.side_channel_host) == (
+            "::1", "[::1]:50999", "::1")
+    edge = _configs(_plan("--host", "[::]", "--router-in-edge"))["edge"]
+    assert (edge.host, edge.embedded_router.host) == ("::", "::1")
+
+
+def test_only_the_edge_leaves_loopback():
+    cfgs = _configs(_plan("--host", "0.0.0.0"))
+    assert cfgs["edge"].host == "0.0.0.0"
+    assert {cfgs[n].host for n in ("router", "prefill-0", "decode-0")} == {"127.0.0.1"}
+    assert cfgs["decode-0"].router == cfgs["edge"].router == "127.0.0.1:50051"
