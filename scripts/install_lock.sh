@@ -18,6 +18,6 @@ fi
 "${pip[@]}" install -q --no-deps -r "$lock"
 # What an earlier install left that the lock does not name (pdserve itself is installed after).
 norm() { sed -e 's/[ ;@=].*//' -e 's/[-_.]\+/-/g' | tr A-Z a-z | sort -u; }
-extra=$(comm -23 <("${pip[@]}" freeze --all | norm) \
+extra=$(comm -23 <("${pip[@]}" list --format=freeze | norm) \
                  <({ grep -v '^ *#' "$lock"; printf 'pip\npdserve\n'; } | norm))
 [ -z "$extra" ] || "${pip[@]}" uninstall -q -y $extra
