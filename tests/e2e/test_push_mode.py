@@ -1,38 +1,46 @@
 """`pdserve up --kv-transfer-mode push`: the prefill engine WRITEs the prompt's
 blocks into the decode engine's (vLLM's NixlPushConnector, with pdserve's tuning
-and leases), and the tokens equal a single engine's, as on the pull path."""
+and leases), and the tokens equal a single engine's, as on the pull path.
+
+This stack also runs on IPv6 (`--host ::`): the edge on every address, IPv4 too, the
+router and workers on ::1, registered as [::1]:PORT, the KV on an IPv6 side channel."""
 from __future__ import annotations
 
 import json
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 from cases import CASES, MAX_TOKENS
 from pdserve.tiny_model import long_context_copy
-from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
+from support import (Proc, free_port, free_port_run, ipv6_loopback, metric_sum, parse_sse,
+                     pdserve_cmd)
 from transfer.pull_vs_push import make_prompts, measure
 
 
 @pytest.fixture(scope="module")
 def push(model_dir, reference):
     ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
-    metrics = free_port_run(2)
-    proc = Proc(pdserve_cmd("up", "--kv-transfer-mode", "push", "--port", str(ports["edge"]),
+    metrics, kv = free_port_run(2), free_port_run(2)
+    host, loop = ("::", "[::1]") if ipv6_loopback() else ("127.0.0.1", "127.0.0.1")
+    proc = Proc(pdserve_cmd("up", "--host", host,
+                            "--kv-transfer-mode", "push", "--port", str(ports["edge"]),
                             "--grpc-port", str(ports["grpc"]), "--router-port", str(ports["router"]),
                             "--prefill-port", str(ports["prefill"]),
                             "--decode-port", str(ports["decode"]),
-                            "--kv-port", str(free_port_run(2)), "--model", str(model_dir),
+                            "--kv-port", str(kv), "--model", str(model_dir),
                             "--worker-metrics-port", str(metrics),
                             # Every case on the P/D path (as the pull stack's equality tests).
                             "--local-cached-fraction", "1", "--prefill-saturated", "0"),
                 name="pdserve-push")
     try:
         proc.wait_for("pdserve ready", timeout=400)
-        yield {"url": f"http://127.0.0.1:{ports['edge']}", "model": str(model_dir),
-               "prefill_metrics": f"http://127.0.0.1:{metrics}/metrics",
-               "decode_metrics": f"http://127.0.0.1:{metrics + 1}/metrics"}
+        yield {"url": f"http://{loop}:{ports['edge']}", "model": str(model_dir),
+               "prefill_metrics": f"http://{loop}:{metrics}/metrics",
+               "decode_metrics": f"http://{loop}:{metrics + 1}/metrics",
+               "proc": proc, "ports": ports, "kv": kv, "metrics": metrics}
     finally:
         assert proc.stop(timeout=90) == 0
 
@@ -77,6 +85,42 @@ def test_pushed_kv_gives_the_single_engine_tokens(push, reference):
     assert (released, open_now) == (len(CASES), 0)
     # ... and none ended any other way (aborted, expired).
     assert metric_sum(push["prefill_metrics"], leases) - all0 == len(CASES)
+
+
+def _listening(proc: Proc) -> dict[int, set[str]]:
+    """port -> the addresses of the TCP listeners on it in the stack's process tree."""
+    out: dict[int, set[str]] = {}
+    for pid in proc.descendants():
+        try:
+            for c in psutil.Process(pid).net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    out.setdefault(c.laddr.port, set()).add(c.laddr.ip)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_the_stack_on_ipv6_streams_over_ipv6_and_ipv4(push):
+    ports, kv, metrics = push["ports"], push["kv"], push["metrics"]
+    with urllib.request.urlopen(f"{push['url']}/health", timeout=10) as r:
+        workers = json.loads(r.read())["workers"]
+    assert {w["address"] for w in workers} == {
+        f"[::1]:{ports['prefill']}", f"[::1]:{ports['decode']}"}
+    listening = _listening(push["proc"])
+    inside = [ports[k] for k in ("router", "prefill", "decode")] + [kv, kv + 1, metrics,
+                                                                    metrics + 1]
+    assert {p: listening.get(p) for p in inside} == {p: {"::1"} for p in inside}
+    assert "::" in listening[ports["edge"]]
+    for url in (push["url"], f"http://127.0.0.1:{ports['edge']}"):
+        body = CASES[0].body(push["model"], True)
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200 and r.headers["x-pdserve-path"] == "disaggregated"
+            events = parse_sse(r.read().decode())
+        assert events[-1][1] == "[DONE]"
+        assert "".join(json.loads(data)["choices"][0]["text"] for _, data in events[:-1])
 
 
 def test_pull_vs_push_measures_both_stacks(push, stack):
