@@ -1,7 +1,7 @@
 # The two commands a newcomer needs: `make run` and `make test`.
 # Both create/refresh .venv when pyproject.toml changes.
 #   make run                      the whole stack on this CPU machine (edge on :8000)
-#   make run ARGS="--port 9000"   flags go to `pdserve up` (see README for GPU flags)
+#   make run ARGS="--port 9000"   flags go to `pdserve up` (docs/configuration.md)
 #   make test                     stale-stub check, Debian test servers, the whole suite
 #   make clients                  the third-party clients tests/e2e/test_clients.py runs
 #   make proto                    regenerate gRPC stubs after editing proto/

@@ -380,9 +380,10 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
 # threads. With EventEngine every streamed message wakes three threads in turn (an
 # I/O thread reads it, grpc.aio's poller thread takes the completion, the event loop
 # runs it); without it, two. On this VM a wake-up is what a streamed token costs:
-# the edge's CPU per request at 1 req/s read 0.82-0.90x, paired (bench/README,
-# "gRPC's transport in the gateway"). An operator's own GRPC_EXPERIMENTS is kept; a
-# gRPC that no longer knows these names logs that once and runs its default.
+# the edge's CPU per request at 1 req/s read 0.82-0.90x, paired
+# (docs/design/2026-12-03-grpc-iomgr-in-the-gateways.md). An operator's own
+# GRPC_EXPERIMENTS is kept; a gRPC that no longer knows these names logs that once and
+# runs its default.
 GATEWAY_GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 

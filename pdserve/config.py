@@ -127,8 +127,9 @@ class KVTransferConfig:
     buffer_device: str = "cpu"           # "cpu" on CPU boxes, "cuda" on GPUs
     # Who moves the blocks: "pull" (the decode engine READs them from the prefill
     # engine) or "push" (the prefill engine WRITEs them into blocks the decode
-    # engine allocated). Both ends of a transfer must agree. Measured here:
-    # bench/README.md, "Pull or push".
+    # engine allocated). Both ends of a transfer must agree. Pull is the default: push was
+    # at most 6% sooner and is not proven under faults
+    # (docs/design/2026-12-01-pull-not-push.md).
     mode: str = "pull"
 
     def __post_init__(self) -> None:
@@ -246,11 +247,12 @@ class EdgeConfig:
     # which grows with the link's bandwidth-delay product). Small, it is backpressure on a
     # worker's shared call: when the edge's loop falls behind (a burst of new requests),
     # the worker's outputs wait there and come in fewer, larger messages, each of which
-    # costs the edge a loop turn (bench/README.md, stop 45).
+    # costs the edge a loop turn (docs/design/2026-12-06-receive-window.md).
     decode_window_bytes: int = DECODE_WINDOW_BYTES
     # Whose token a disaggregated request's client gets first: the prefill's, as soon as
-    # the prefill answers (the decode worker then goes on after it; where it can, see
-    # README), or the decode engine's, after the KV handover (a steadier first gap).
+    # the prefill answers (the decode worker then goes on after it, where it can: see
+    # docs/design/2026-12-05-first-token-from-the-prefill.md), or the decode engine's,
+    # after the KV handover (a steadier first gap).
     first_token: str = "prefill"
     # How tool_choice "auto" reads calls out of the model's text: "auto" picks the
     # parser the model's chat template implies (services/edge/tool_parsers.py).

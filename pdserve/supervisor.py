@@ -114,7 +114,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                           for names in (PLACEMENT_FLAGS, EDGE_FLAGS))
     # The gateway runs anywhere unless told: on the 2-core dev box, pinning it
     # to the prefill core measured a worse TTFT (its per-token wake-ups then
-    # delay every prefill; bench/README.md).
+    # delay every prefill; docs/design/2026-11-30-gateway-unpinned.md).
     gateway_pin = ["--cpus", a.gateway_cpus] if a.gateway_cpus else []
     router_metrics = (["--metrics-port", str(a.router_metrics_port)]
                       if a.router_metrics_port else [])

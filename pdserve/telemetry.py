@@ -63,7 +63,7 @@ def setup(service: str) -> bool:
         exporter = ConsoleSpanExporter()
     # The specification's default protocol, http/protobuf; grpc when asked. The gRPC
     # exporter's sync calls from its thread cost the edge's token tails more
-    # (bench/README.md, "The cost of tracing").
+    # (docs/design/2026-12-01-tracing-over-otlp-http.md).
     elif os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
                         os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")) == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

@@ -92,7 +92,8 @@ class RouterServicer:
         message; the router answers a message's requests in one message, each answer
         with its request's id. A failure is that request's alone (its status in the
         answer), not the call's. A call per request costs the edge and the router a
-        call's setup and a socket write or more each (bench/README.md).
+        call's setup and a socket write or more each
+        (docs/design/2026-12-05-route-on-one-open-call.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -5,10 +5,11 @@ generations on a worker through one bidirectional call, whose messages each
 carry every output the worker produced in one turn of its loop (see
 services/worker/batched.py): at 1,000 streams x 20 tokens/s that is a third of
 the gRPC CPU per token of one `Generate` call per generation, on both sides
-(scripts/grpc_mux_cpu.py). Prefill, Abort and everything else stay on vLLM's
-`VllmEngine`; a worker that does not offer the service (a stock `vllm ...
---grpc`) gets per-request calls, and so do the first `BATCH_FROM` legs open on a
-worker that does (alone, a call of its own is cheaper than a shared one).
+(docs/design/2026-12-02-batched-decode-calls.md). Prefill, Abort and everything
+else stay on vLLM's `VllmEngine`; a worker that does not offer the service (a
+stock `vllm ... --grpc`) gets per-request calls, and so do the first `BATCH_FROM`
+legs open on a worker that does (alone, a call of its own is cheaper than a
+shared one).
 
 A `BatchedLeg` behaves as the per-request call it replaces, as far as
 `GenerationStream` can tell: iterating it yields `GenerateResponse`s, then
@@ -40,7 +41,7 @@ SERVICE_NAME = batched_pb2.DESCRIPTOR.services_by_name["BatchedGenerate"].full_n
 # Legs open on a worker before new ones share its call: alone, a call of its own is one
 # hop less. (A shared call for every leg read 55 ms of edge CPU per request against 41 at
 # 1 request/s, in runs one after another; paired, with this threshold, the two modes
-# measured the same: bench/README.md.)
+# measured the same: docs/design/2026-12-02-batched-decode-calls.md.)
 BATCH_FROM = 4
 _CANCELLED = object()                           # ended by cancel() on this side
 

@@ -449,7 +449,8 @@ class GenerationStream:
         the lease runs out. Drop the callbacks that point back at this stream (its
         reader's renderer, its admission ticket): without those cycles its objects go
         with their last reference, not in a full garbage collection, which stalled the
-        edge's loop ~190 ms at the end of 1,000 streams (bench/README.md)."""
+        edge's loop ~190 ms at the end of 1,000 streams
+        (docs/design/2026-12-05-edge-garbage-collection.md)."""
         self.leg.end_lease(self.aborts, f"request {self.gen.request_id} ended before its decode")
         self.on_chunk = self.readmit = self.running = None
 

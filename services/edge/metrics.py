@@ -111,9 +111,9 @@ def observe_all(histogram: Histogram, amounts: list[float]) -> None:
     and the sum incremented once. A generation's inter-token gaps are observed when it
     ends: one by one, 400 cost 0.34 ms, and 1,000 generations ending within a second
     spent a third of the edge's CPU there while the others' last tokens waited
-    (bench/README.md). A bucket is the first whose bound is >= the amount, as
-    `observe` has it; where the client library keeps its buckets some other way,
-    `observe` one by one."""
+    (docs/design/2026-12-05-itl-histogram-in-one-pass.md). A bucket is the first whose
+    bound is >= the amount, as `observe` has it; where the client library keeps its
+    buckets some other way, `observe` one by one."""
     bounds = getattr(histogram, "_upper_bounds", None)
     buckets = getattr(histogram, "_buckets", None)
     total = getattr(histogram, "_sum", None)

@@ -4,13 +4,13 @@ A unary `Route` was a quarter of the edge's main thread per start at 1,500
 starts/s (py-spy), and ~0.27 ms of the router's CPU per route. On one open call
 the router spends half that, the edge about what it did (a message write costs
 it what the call did), and the whole run's p99 at 1,000 starts in a second read
-0.4x (bench/README.md). `RouteCalls` keeps one `RouteStream` call open to the
-router and sends the requests on it, those queued together in one message; each
-answer carries its request's id and, when the request cannot be placed, the
-status a unary Route would have failed with, which is raised here as that
-call's `AioRpcError` (UNAVAILABLE when the call itself breaks, for every
-request waiting on it; the next request opens a new call). To the orchestrator
-it is the `RouterStub` it replaces: `Route` and `ListWorkers`.
+0.4x (docs/design/2026-12-05-route-on-one-open-call.md). `RouteCalls` keeps one
+`RouteStream` call open to the router and sends the requests on it, those queued
+together in one message; each answer carries its request's id and, when the
+request cannot be placed, the status a unary Route would have failed with, which
+is raised here as that call's `AioRpcError` (UNAVAILABLE when the call itself
+breaks, for every request waiting on it; the next request opens a new call). To
+the orchestrator it is the `RouterStub` it replaces: `Route` and `ListWorkers`.
 
 With tracing on, each request takes a unary Route, so that the router's side
 joins the request's trace (a message on a shared call carries no context); so

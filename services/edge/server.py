@@ -23,7 +23,7 @@ from .runner import EdgeRunner
 
 # Full garbage collections, one per 1,000 of the middle generation's instead of 10:
 # in a ramp of 1,000 streams the edge ran one every second or so, 17-25 ms each,
-# and none in the same runs with this (bench/README.md).
+# and none in the same runs with this (docs/design/2026-12-05-edge-garbage-collection.md).
 FULL_COLLECTION_EVERY = 1000
 
 log = logging.getLogger("pdserve.edge")

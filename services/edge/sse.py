@@ -18,10 +18,10 @@ A reader of a log that lives in this process, once it has caught up, is
 written from the log's own append (`pushed`): the event goes to the socket in
 the call that produced it, with no task woken per event (below saturation,
 1,000 streams x 10 tokens/s, that and the batched legs' sink cut the edge's
-CPU per token by 11-21%, bench/README.md). The first time the socket has bytes
-queued (or the reader fell behind the bounded log), the relay goes back to
-awaiting its writes, with the stall timer, from the same place, and is pushed
-to again once it has caught up.
+CPU per token by 11-21%: docs/design/2026-12-03-sse-writes-from-the-log.md).
+The first time the socket has bytes queued (or the reader fell behind the
+bounded log), the relay goes back to awaiting its writes, with the stall timer,
+from the same place, and is pushed to again once it has caught up.
 """
 from __future__ import annotations
 

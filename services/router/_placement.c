@@ -6,7 +6,7 @@
  * test_decide.py hold them equal. A router idle between requests meets a decision
  * with cold caches: on this VM code run right after a halted vCPU wakes is 3-20x
  * slower than back to back, in proportion to the memory it touches, and a decision in
- * Python touches a lot (bench/README.md, "The router's placement").
+ * Python touches a lot (docs/design/2026-12-05-placement-in-c.md).
  *
  *   block_keys(token_ids, block_size, parent=0) -> bytes
  *       The keys of the full blocks, native-endian uint64s (at most 2**14 of them):

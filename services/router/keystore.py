@@ -13,7 +13,7 @@ Two implementations of `block_keys` and `KeyStore`: the C module `_placement`
 and what runs where no compiler built the module). The C one exists for the
 decision's latency: a router idle between requests meets them with cold caches,
 and there a dozen numpy calls and a hundred dict lookups cost 3-6x what they
-cost back to back (bench/README.md, "The router's placement").
+cost back to back (docs/design/2026-12-05-placement-in-c.md).
 """
 from __future__ import annotations
 

@@ -59,8 +59,8 @@ _MASK = (1 << 64) - 1
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The knobs of placement; the defaults are RouterConfig's (see `bench/README.md`,
-    router section, for how they were chosen)."""
+    """The knobs of placement; the defaults are RouterConfig's (how they were chosen:
+    docs/design/2026-12-05-placement-defaults.md)."""
 
     balance: float = _DEFAULTS.balance                        # CHWBL's c: max / mean load
     balance_slack: int = _DEFAULTS.balance_slack              # ... or this many over the mean

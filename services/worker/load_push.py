@@ -5,7 +5,7 @@ usage) on every KV-event batch and checks for a change every 0.1 s while no
 batch flows. A request that ends publishes no event of its own, so for up to
 that tick a router still counts it on its worker; a session's next turn, sent
 a few milliseconds after the last token, then found its worker one request too
-full and was placed away from its KV (bench/README.md, router section).
+full and was placed away from its KV (docs/design/2026-12-05-load-pushed-at-request-end.md).
 
 So each subscriber gets a nudge when a Generate call ends, and the stream sends
 the current record at once: a `load_only` batch repeating the last batch's

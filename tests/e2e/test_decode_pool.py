@@ -331,7 +331,7 @@ class _PoolUnderChaos:
 
 def test_chaos_loses_no_stream_while_workers_are_killed_and_stopped(pool):
     """`pdserve chaos` in short, on this stack (the command itself starts 2 prefill + 2
-    decode workers: full runs in bench/README.md): every accepted stream completes with
+    decode workers: full runs in docs/benchmarks.md): every accepted stream completes with
     its uninterrupted text, and no KV block or lease is left behind."""
     a = chaos.parser().parse_args(["--seed", "3", "--duration", "10", "--faults", "kill,stop",
                                    "--first-fault", "2", "--gap", "3",

@@ -101,7 +101,7 @@ def _ucx_range(pod) -> str:
 
 
 def _architecture(procs, extra_pods) -> set[tuple[str, str, str]]:
-    """The flows the design needs (ARCHITECTURE.md, k8s/base/networkpolicy.yaml), from
+    """The flows the design needs (docs/architecture.md, k8s/base/networkpolicy.yaml), from
     the ports each process is configured to listen on."""
     grpc = {n: f"TCP/{p.listens['grpc']}" for n, (_, p) in procs.items()}
     metrics = {n: f"TCP/{p.listens['metrics']}" for n, (_, p) in procs.items()
@@ -215,7 +215,7 @@ def test_pods_are_labelled_unprivileged_and_reference_what_exists(overlay):
     device_tag = {"cpu": "cpu", "cuda": "gpu"}[config["PDSERVE_DEVICE"]]
     names = {k: set(by_kind(docs, k)) for k in ("ConfigMap", "Secret",
                                                 "PersistentVolumeClaim")}
-    operator_made = {"pdserve-api-keys"}           # README: `kubectl create secret ...`
+    operator_made = {"pdserve-api-keys"}           # docs/operations.md: kubectl create secret
     for name, pod in pods(docs).items():
         labels = pod.labels
         assert labels["app.kubernetes.io/name"] == labels["app.kubernetes.io/part-of"] == "pdserve"
