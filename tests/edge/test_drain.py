@@ -9,17 +9,8 @@ import time
 import urllib.error
 import urllib.request
 
-from support import Proc, free_port, parse_sse, pdserve_cmd
+from support import http_status, Proc, free_port, parse_sse, pdserve_cmd
 
-
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0                                # not listening (yet)
 
 
 def test_sigterm_drains(model_dir):
@@ -36,7 +27,7 @@ def test_sigterm_drains(model_dir):
         procs.append(edge)
         url = f"http://127.0.0.1:{edge_port}"
         deadline = time.monotonic() + 60
-        while _get(f"{url}/health") != 200:
+        while http_status(f"{url}/health") != 200:
             assert time.monotonic() < deadline, "\n".join(edge.lines[-30:])
             time.sleep(0.2)
         body = json.dumps({"model": str(model_dir), "prompt": "hello", "max_tokens": 60,
@@ -47,7 +38,7 @@ def test_sigterm_drains(model_dir):
             first = stream.readline()                  # the stream is under way (3 s long)
             edge.popen.send_signal(signal.SIGTERM)
             time.sleep(0.3)
-            assert _get(f"{url}/health") == 503
+            assert http_status(f"{url}/health") == 503
             try:
                 urllib.request.urlopen(urllib.request.Request(
                     f"{url}/v1/completions", data=body,

@@ -10,19 +10,10 @@ import urllib.request
 
 import pytest
 
-from support import Proc, free_port, ipv6_loopback, parse_sse, pdserve_cmd, stop_all
+from support import http_status, Proc, free_port, ipv6_loopback, parse_sse, pdserve_cmd, stop_all
 
 pytestmark = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0                                # not listening (yet)
 
 
 def test_an_edge_on_all_addresses_streams_from_an_engine_on_ipv6_loopback(model_dir):
@@ -39,10 +30,10 @@ def test_an_edge_on_all_addresses_streams_from_an_engine_on_ipv6_loopback(model_
         procs.append(edge)
         url = f"http://[::1]:{edge_port}"
         deadline = time.monotonic() + 60
-        while _status(f"{url}/health") != 200:
+        while http_status(f"{url}/health") != 200:
             assert time.monotonic() < deadline, "\n".join(edge.lines[-30:])
             time.sleep(0.2)
-        assert _status(f"http://127.0.0.1:{edge_port}/health") == 200
+        assert http_status(f"http://127.0.0.1:{edge_port}/health") == 200
         body = json.dumps({"model": str(model_dir), "prompt": "hello", "max_tokens": 8,
                            "stream": True}).encode()
         req = urllib.request.Request(f"{url}/v1/completions", data=body,

@@ -113,6 +113,18 @@ class LocalCluster:
         proc = Proc(argv, env=env, name="build-model")
         assert proc.popen.wait(timeout=180) == 0, "\n".join(proc.lines[-30:])
 
+    def up(self, timeout: float = 300) -> None:
+        """The init container, then every pod, then their probes passing."""
+        self.build_model()
+        self.start()
+        self.wait_ready(timeout)
+
+    def api_key(self) -> str:
+        """The first key of the overlay's generated API-key Secret."""
+        keys = secret_files(self.docs, "pdserve-api-keys")["api-keys"].decode()
+        return next(line.split()[0] for line in keys.splitlines()
+                    if line.strip() and not line.startswith("#"))
+
     def start(self) -> None:
         for name in ORDER:
             argv, env = self.command(name, self.pods[name].main)
@@ -175,17 +187,6 @@ class LocalCluster:
                 code = None
             out[name] = (code, time.monotonic() - started)
         return out
-
-
-def _stream(url: str, key: str, model: str):
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return r.status, dict(r.headers), r.read().decode()
 
 
 def stream(url: str, key: str, model: str):

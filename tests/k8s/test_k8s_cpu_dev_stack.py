@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from k8s_manifests import keda_metrics, secret_files
+from k8s_manifests import keda_metrics
 from local_cluster import ORDER, LocalCluster, stream
 from support import alive, metric_sum, parse_sse
 
@@ -25,15 +25,11 @@ def test_cpu_dev_containers_serve_a_stream_end_to_end(tmp_path):
     cluster = LocalCluster(tmp_path)
     stopped = {}
     try:
-        cluster.build_model()
-        cluster.start()
-        cluster.wait_ready(timeout=300)
+        cluster.up()
         assert all(cluster.probe(n, "livenessProbe") for n in ORDER)
 
         edge = f"http://127.0.0.1:{cluster.local_port('edge', 'http')}"
-        keys = secret_files(cluster.docs, "pdserve-api-keys")["api-keys"].decode()
-        key = next(line.split()[0] for line in keys.splitlines()
-                   if line.strip() and not line.startswith("#"))
+        key = cluster.api_key()
         model = cluster.pods["edge"].main.env["PDSERVE_SERVED_MODEL_NAME"]
         with pytest.raises(urllib.error.HTTPError) as refused:
             stream(edge, "not-a-key", model)

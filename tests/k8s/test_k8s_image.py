@@ -16,7 +16,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from k8s_manifests import secret_files
 from local_cluster import CORES, ORDER, LocalCluster, stream
 from support import parse_sse
 
@@ -88,13 +87,9 @@ def test_the_image_serves_the_cpu_dev_overlay(tmp_path):
     cluster = ImageCluster(tmp_path)
     stopped = {}
     try:
-        cluster.build_model()
-        cluster.start()
-        cluster.wait_ready(timeout=300)
+        cluster.up()
         edge = f"http://127.0.0.1:{cluster.local_port('edge', 'http')}"
-        keys = secret_files(cluster.docs, "pdserve-api-keys")["api-keys"].decode()
-        key = next(line.split()[0] for line in keys.splitlines()
-                   if line.strip() and not line.startswith("#"))
+        key = cluster.api_key()
         model = cluster.pods["edge"].main.env["PDSERVE_SERVED_MODEL_NAME"]
         status, headers, raw = stream(edge, key, model)
         assert status == 200 and headers["x-pdserve-path"] == "disaggregated"
