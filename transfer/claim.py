@@ -38,8 +38,8 @@ import grpc
 from pdserve.rpc import channel
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 
-from .connector import FRESH_LEASE, PREFILL_ADDRESS
 from .metrics import FAILURES
+from .params import FRESH_LEASE, PREFILL_ADDRESS, lease_id, pulls_blocks
 
 
 
@@ -58,8 +58,8 @@ class LeaseClaims:
 
     async def refusal(self, params: dict) -> str | None:
         """Why the blocks these params name must not be pulled, or None to pull them."""
-        address, lease = params.get(PREFILL_ADDRESS), params.get("remote_request_id")
-        if (not params.get("do_remote_prefill") or not address or not lease
+        address, lease = params.get(PREFILL_ADDRESS), lease_id(params)
+        if (not pulls_blocks(params) or not address or not lease
                 or address in self._no_leases or params.get(FRESH_LEASE) is True):
             return None
         try:

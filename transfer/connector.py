@@ -4,8 +4,10 @@ Workers ask for `engine_kv_config(role, cfg)` and hand the result to vLLM as
 `kv_transfer_config`; they never name a connector themselves. Today the blocks
 move with vLLM's NIXL connectors (UCX underneath; `kv_buffer_device: cpu` on CPU
 boxes): `NixlConnector` pulls (the decode engine READs), `NixlPushConnector`
-pushes (the prefill engine WRITEs); `KVTransferConfig.mode` picks one. pdserve's own NIXL transfer engine plugs in here later, through
-`kv_connector_module_path`, without touching the services.
+pushes (the prefill engine WRITEs); `KVTransferConfig.mode` picks one. pdserve's own
+NIXL transfer engine plugs in here later, through `kv_connector_module_path`, without
+touching the services. What requests carry to the connector (`kv_transfer_params`) is
+a contract of its own, params.py.
 """
 from __future__ import annotations
 
@@ -48,17 +50,12 @@ def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
     }
 
 
-# The gRPC health name under which such a decode worker answers SERVING, for routers
-# that probe workers (`pdserve router --decode-worker`) instead of taking their
-# registration (`WorkerInfo.continues_prefill`).
-CONTINUES_PREFILL = "pdserve.v1.ContinuesPrefill"
-
-
 def continues_prefill(role: str, cfg: KVTransferConfig) -> bool:
     """Whether a worker of `role` with this config takes a decode request whose prompt
     goes on past the prefill's KV (the prefill's sampled token appended) and computes
     the rest itself: pdserve's pull connector does (transfer/vllm_nixl.py); the push
-    connector writes into blocks sized for the prompt alone, so it does not."""
+    connector writes into blocks sized for the prompt alone, so it does not. Such a worker
+    says so by gRPC health too (`params.CONTINUES_PREFILL`)."""
     return role == "decode" and cfg.mode == "pull"
 
 
@@ -93,50 +90,3 @@ def check_side_channel(cfg: KVTransferConfig) -> None:
             where = hostport(cfg.side_channel_host, cfg.side_channel_port)
             raise RuntimeError(f"KV side-channel port {where} is in use by another process; "
                                "give this worker another --kv-port") from e
-
-
-def request_params_for_prefill() -> dict[str, Any]:
-    """`kv_transfer_params` for a prefill request: keep the blocks for a decoder."""
-    return {"do_remote_decode": True, "do_remote_prefill": False,
-            "remote_engine_id": None, "remote_block_ids": None,
-            "remote_host": None, "remote_port": None}
-
-
-# The prefill worker's gRPC address, in the params a decode request carries: the
-# decode worker claims the lease there before its engine pulls (transfer/claim.py).
-PREFILL_ADDRESS = "pdserve_prefill_address"
-# How long the prefill worker holds the lease after it answers (its
-# `kv lease_seconds`), in the params it returns ...
-LEASE_SECONDS = "pdserve_lease_seconds"
-# ... so that a gateway forwarding them at once can say so: the first use of a
-# lease, within its first lease minus a second, needs no claim (transfer/claim.py).
-FRESH_LEASE = "pdserve_lease_fresh"
-
-
-def lease_young(age_seconds: float, lease_seconds: float) -> bool:
-    """A lease handed out this long ago cannot have expired yet (a second to spare for
-    the answer's way to whoever holds it). The prefill worker's fast claim and the
-    edge's fresh mark both go by it."""
-    return age_seconds < lease_seconds - 1
-
-
-def lease_is_fresh(prefill_params: dict[str, Any], age_seconds: float) -> bool:
-    """Whether params the prefill answered `age_seconds` ago are still certainly held
-    (for their first use: a lease is ended only by its expiry, a pull, or an Abort)."""
-    lease = prefill_params.get(LEASE_SECONDS)
-    return isinstance(lease, (int, float)) and lease_young(age_seconds, lease)
-
-
-def request_params_for_decode(prefill_params: dict[str, Any],
-                              prefill_address: str = "", fresh: bool = False) -> dict[str, Any]:
-    """`kv_transfer_params` for the decode request that pulls the prefill's blocks;
-    `fresh`: their first use, and `lease_is_fresh`."""
-    params = dict(prefill_params)
-    if prefill_address:
-        params[PREFILL_ADDRESS] = prefill_address
-    if fresh:
-        params[FRESH_LEASE] = True
-    # The decode engine then reports the pulled tokens as its own cache hits,
-    # which is how callers see that the KV travelled.
-    params.pop("remote_prefill_cached_tokens", None)
-    return params

@@ -19,8 +19,8 @@ from prometheus_client.registry import REGISTRY
 
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 
-from .connector import lease_young
 from .leases import OUTCOMES, request_of
+from .params import lease_young
 
 log = logging.getLogger(__name__)
 

@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from .leases import Leases
+from .params import computed_tokens, pulls_blocks
 
 
 class _BindingsWithPollDelay(types.ModuleType):
@@ -177,9 +178,9 @@ class NixlConnector(_Tuned, _VllmNixlConnector):
         (its sampled token appended) has the rest computed here."""
         count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         params = request.kv_transfer_params
-        if count and params and params.get("do_remote_prefill"):
-            remote = params.get("remote_num_tokens")
-            if isinstance(remote, int) and remote > 0 and num_computed_tokens + count > remote:
+        if count and params and pulls_blocks(params):
+            remote = computed_tokens(params)
+            if remote is not None and num_computed_tokens + count > remote:
                 count = remote - num_computed_tokens
                 if count <= 0:
                     # NOTE: the local prefix cache holds all the prefill computed; the

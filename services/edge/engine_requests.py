@@ -7,13 +7,13 @@ blocks for a decoder) and the decode leg (pull them, or prefill locally).
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from smg_grpc_proto import vllm_engine_pb2
 
 from pdserve.v1 import common_pb2
-from transfer.connector import request_params_for_decode, request_params_for_prefill
+from transfer.params import (computed_tokens, encode, request_params_for_decode,
+                             request_params_for_prefill)
 
 _INT32 = 2**31
 
@@ -66,7 +66,7 @@ def prefill_request(request_id: str, prompt_ids: list[int],
     return vllm_engine_pb2.GenerateRequest(
         request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt_ids),
         sampling_params=engine_sampling(sampling, max_tokens=1, prefill=True), stream=False,
-        kv_transfer_params_json=json.dumps(request_params_for_prefill()))
+        kv_transfer_params_json=encode(request_params_for_prefill()))
 
 
 def continues_from_prefill_token(sampling: common_pb2.SamplingParams,
@@ -84,8 +84,7 @@ def continues_from_prefill_token(sampling: common_pb2.SamplingParams,
     if sampling.HasField("logprobs") or sampling.HasField("prompt_logprobs") \
             or constrained(sampling):
         return False
-    computed = prefill_params.get("remote_num_tokens")
-    if not isinstance(computed, int) or isinstance(computed, bool) or computed <= 0:
+    if computed_tokens(prefill_params) is None:
         return False
     if sampling.temperature == 0:
         return True
@@ -103,6 +102,6 @@ def decode_request(request_id: str, prompt_ids: list[int], sampling: common_pb2.
         request_id=request_id, tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt_ids),
         sampling_params=engine_sampling(sampling, max_tokens=sampling.max_tokens), stream=True)
     if prefill_params:
-        req.kv_transfer_params_json = json.dumps(
+        req.kv_transfer_params_json = encode(
             request_params_for_decode(prefill_params, prefill_address, fresh))
     return req

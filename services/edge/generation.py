@@ -53,7 +53,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve import telemetry
 from pdserve.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
-from transfer.connector import lease_is_fresh
+from transfer.params import lease_id, lease_is_fresh
 
 from .batched import BatchedLeg
 from .detokenizer import TextStream
@@ -144,7 +144,7 @@ class DecodeLeg:
     def end_lease(self, running: set, why: str) -> None:
         """End the prefill's lease unless the decode pulled it: its blocks are freed now,
         not when the lease runs out."""
-        lease = (self.prefill_params or {}).get("remote_request_id")
+        lease = lease_id(self.prefill_params or {})
         if self.leases is None or self.pulled or not lease:
             return
         leases, self.leases = self.leases, None

@@ -18,7 +18,6 @@ runs against the request's own deadline.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -32,6 +31,7 @@ from pdserve.config import DECODE_WINDOW_BYTES
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, transfer_pb2, transfer_pb2_grpc
 from services.router.keystore import packed
+from transfer.params import REMOTE_BLOCK_IDS, check_prefill_answer, decode
 
 from .batched import BATCH_FROM, BatchedCalls
 from .batched import SERVICE_NAME as BATCHED_SERVICE
@@ -230,7 +230,7 @@ class Orchestrator:
             telemetry.end(span, e)
             raise
         telemetry.end(span, None if params else "failed: tried elsewhere",
-                      pdserve__kv__blocks=len((params or {}).get("remote_block_ids") or ()))
+                      pdserve__kv__blocks=len((params or {}).get(REMOTE_BLOCK_IDS) or ()))
         return params, token, leg
 
     async def _prefill_leg(self, gen: Generation, request_id: str, prompt: list[int],
@@ -254,7 +254,7 @@ class Orchestrator:
                 if resp is grpc.aio.EOF:
                     break
                 if resp.HasField("complete") and resp.complete.HasField("kv_transfer_params_json"):
-                    params = json.loads(resp.complete.kv_transfer_params_json)
+                    params = decode(resp.complete.kv_transfer_params_json)
                     if len(resp.complete.output_ids) == 1:
                         token = resp.complete.output_ids[0]
                     cached = resp.complete.cached_tokens
@@ -263,8 +263,7 @@ class Orchestrator:
                 # the worker's own bookkeeping after its last message; it is read in
                 # the background (the call must stay referenced until it ends).
                 in_background(call.code(), self._aborts)
-            if not params or not params.get("remote_block_ids"):
-                raise ValueError("the prefill returned no KV blocks to hand over")
+            check_prefill_answer(params or {})
         except asyncio.CancelledError:
             # The client left while the prefill ran: it may have finished on the
             # worker and leased its blocks, under this request id. End both now.

@@ -9,7 +9,6 @@ can drive a pdserve worker, and a pdserve worker keeps what a bare
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -20,8 +19,9 @@ from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 
 from pdserve import genai, telemetry
 from transfer.claim import LeaseClaims
-from transfer.connector import LEASE_SECONDS, PREFILL_ADDRESS
 from transfer.metrics import HANDOVER_SECONDS
+from transfer.params import (PREFILL_ADDRESS, REMOTE_BLOCK_IDS, MalformedParams, decode, encode,
+                             keeps_blocks, lease_id, pulls_blocks, with_lease_seconds)
 
 from .engine import VllmEngine
 from .load_push import LoadNudges
@@ -109,12 +109,12 @@ class WorkerEngineServicer(VllmEngineServicer):
     def _issue_lease(self, complete) -> None:
         """A prefill hands out a lease: the lease service hears of it, and the params
         say how long it holds (so a gateway can tell a fresh one, transfer/claim.py)."""
-        params = json.loads(complete.kv_transfer_params_json)
-        lease = params.get("remote_request_id") if isinstance(params, dict) else None
+        params = decode(complete.kv_transfer_params_json)
+        lease = lease_id(params)
         if lease:
             self.leases.issued(lease)
-            params[LEASE_SECONDS] = self.leases.lease_seconds
-            complete.kv_transfer_params_json = json.dumps(params)
+            complete.kv_transfer_params_json = encode(
+                with_lease_seconds(params, self.leases.lease_seconds))
 
     async def _claim(self, request, params: dict | None) -> None:
         """A pull whose lease is gone (or whose prefill worker is) becomes a local
@@ -126,7 +126,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         if reason:
             log.warning("generate %s on %s: not pulling lease %s from %s (%s); prefilling "
                         "locally", request.request_id, self.worker_id,
-                        params.get("remote_request_id"), params.get(PREFILL_ADDRESS), reason)
+                        lease_id(params), params.get(PREFILL_ADDRESS), reason)
             request.ClearField("kv_transfer_params_json")
 
     async def SubscribeKvEvents(self, request, context):
@@ -155,19 +155,18 @@ def _kv_params(request) -> dict | None:
     if not request.HasField("kv_transfer_params_json"):
         return None
     try:
-        params = json.loads(request.kv_transfer_params_json)
-    except ValueError:
+        return decode(request.kv_transfer_params_json)
+    except MalformedParams:
         return None
-    return params if isinstance(params, dict) else None
 
 
 def _pull_attributes(params: dict | None) -> dict | None:
     """The span attributes of a request that asks to pull a prefill's KV, else None."""
-    if not params or not params.get("do_remote_prefill"):
+    if not params or not pulls_blocks(params):
         return None
-    return {"pdserve.kv.lease_id": str(params.get("remote_request_id", "")),
+    return {"pdserve.kv.lease_id": lease_id(params) or "",
             "pdserve.kv.prefill_address": str(params.get(PREFILL_ADDRESS, "")),
-            "pdserve.kv.remote_blocks": len(params.get("remote_block_ids") or ())}
+            "pdserve.kv.remote_blocks": len(params.get(REMOTE_BLOCK_IDS) or ())}
 
 
 def _kv_note(request) -> str:
@@ -175,12 +174,12 @@ def _kv_note(request) -> str:
     if not request.HasField("kv_transfer_params_json"):
         return ""
     try:
-        params = json.loads(request.kv_transfer_params_json)
-    except ValueError:
+        params = decode(request.kv_transfer_params_json)
+    except MalformedParams:
         return " (unreadable kv_transfer_params_json)"
-    if params.get("do_remote_prefill"):
+    if pulls_blocks(params):
         return " (KV pulled from a prefill worker)"
-    return " (KV kept for a decode worker)" if params.get("do_remote_decode") else ""
+    return " (KV kept for a decode worker)" if keeps_blocks(params) else ""
 
 
 def add_to_server(servicer: WorkerEngineServicer, server: grpc.aio.Server) -> None:

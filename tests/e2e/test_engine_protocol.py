@@ -17,7 +17,7 @@ from cases import CASES, MAX_TOKENS
 from engine_client import external_kv_tokens, flush_prefix_cache, generate
 from services.edge.openai_protocol import parse_request
 from services.edge.prompts import PromptEncoder
-from transfer.connector import request_params_for_decode, request_params_for_prefill
+from transfer.params import request_params_for_decode, request_params_for_prefill
 
 
 def _ids(model_dir, case) -> list[int]:

@@ -194,7 +194,7 @@ async def test_static_workers_are_probed_into_the_registry_and_age_out():
 async def test_a_static_decode_worker_says_by_health_whether_it_goes_on_after_a_prefill():
     """pdserve's pull decode workers answer SERVING for CONTINUES_PREFILL; a stock
     engine knows no such name: only the first is offered the prefill's token."""
-    from transfer.connector import CONTINUES_PREFILL
+    from transfer.params import CONTINUES_PREFILL
     servers = [await _engine_server(FakeEngine(), ["vllm.grpc.engine.VllmEngine", *names])
                for names in ([CONTINUES_PREFILL], [])]
     registry = WorkerRegistry(timeout=6.0)

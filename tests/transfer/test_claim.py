@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from support import free_port
 from transfer.claim import LeaseClaims
-from transfer.connector import (FRESH_LEASE, LEASE_SECONDS, PREFILL_ADDRESS, lease_is_fresh,
-                                request_params_for_decode)
+from transfer.params import (FRESH_LEASE, LEASE_SECONDS, PREFILL_ADDRESS, lease_is_fresh,
+                            request_params_for_decode)
 
 
 def test_a_lease_is_fresh_until_a_second_before_it_runs_out():
