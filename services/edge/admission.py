@@ -78,6 +78,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.config import EdgeConfig
+
 from .keys import APIKey
 from .openai_protocol import APIError
 
@@ -161,9 +163,9 @@ def pool_capacity(workers, decode_role: int) -> float:
 class Admission:
     """Counts room in the pool and queues whatever does not fit."""
 
-    def __init__(self, max_queue: int, max_wait: float, metrics=None):
-        self.max_queue = max_queue
-        self.max_wait = max_wait
+    def __init__(self, cfg: EdgeConfig, metrics=None):
+        self.max_queue = cfg.admission_queue
+        self.max_wait = cfg.admission_wait_seconds
         self.metrics = metrics
         self.capacity: float = float("inf")     # until the first reading
         self.in_flight = 0                       # tickets not yet released

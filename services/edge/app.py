@@ -502,7 +502,7 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app[METRICS] = EdgeMetrics(cfg.name)
     app[ROUTER_METRICS] = router_metrics
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
-    app[ADMISSION] = Admission(cfg.admission_queue, cfg.admission_wait_seconds, app[METRICS])
+    app[ADMISSION] = Admission(cfg, app[METRICS])
     if cfg.admission:                   # off: capacity stays unbounded, nothing to read
         app.cleanup_ctx.append(_read_pool)
 
@@ -511,8 +511,8 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
         app[METRICS].streams_ended.labels(live.ended).inc()
         _generation_ended(app, live.generation)
 
-    app[STREAMS] = Streams(open_store(cfg), cfg.stream_resume_seconds, on_start=app[
-        METRICS].streams_open.inc, on_end=ended)
+    app[STREAMS] = Streams(cfg, open_store(cfg), on_start=app[METRICS].streams_open.inc,
+                           on_end=ended)
     app[websocket.SOCKETS] = weakref.WeakSet()
     app.on_shutdown.append(websocket.drain)
     app.on_cleanup.append(lambda app: app[STREAMS].close())
@@ -521,7 +521,7 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app.router.add_get("/v1/ws", websocket.handle)
     app.router.add_get("/v1/streams/{stream_id}", follow_stream)
     app.router.add_delete("/v1/streams/{stream_id}", cancel_stream)
-    tokenize, detokenize = tokenize_handlers(encoder, cfg.name, cfg.max_model_len)
+    tokenize, detokenize = tokenize_handlers(encoder, cfg)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)

@@ -21,6 +21,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from pdserve.config import EdgeConfig
+
 from . import openai_protocol as oai
 from .events import error_payload
 from .generation import Chunk, GenerationStream
@@ -29,12 +31,12 @@ from .stream_log import DONE, Event, MemoryStreams, StreamLog, StreamStore
 log = logging.getLogger("pdserve.edge")
 
 
-def open_store(cfg) -> StreamStore:
+def open_store(cfg: EdgeConfig) -> StreamStore:
     """The stream store an EdgeConfig names."""
     if cfg.stream_store.startswith("redis://"):
         from .stream_redis import RedisStreams
-        return RedisStreams(cfg.stream_store, cfg.stream_max_events, cfg.stream_ttl_seconds)
-    return MemoryStreams(cfg.stream_max_events, cfg.stream_ttl_seconds)
+        return RedisStreams(cfg)
+    return MemoryStreams(cfg)
 
 
 def new_stream_id() -> str:
@@ -66,11 +68,11 @@ class LiveStream:
 class Streams:
     """The live generations of this edge, by stream id."""
 
-    def __init__(self, store: StreamStore, resume_seconds: float,
+    def __init__(self, cfg: EdgeConfig, store: StreamStore,
                  on_start: Callable[[], None] = lambda: None,
                  on_end: Callable[[LiveStream], None] = lambda live: None):
         self.store = store
-        self.resume_seconds = resume_seconds
+        self.resume_seconds = cfg.stream_resume_seconds
         self.on_start = on_start
         self.on_end = on_end
         self.live: dict[str, LiveStream] = {}

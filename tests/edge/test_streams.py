@@ -318,10 +318,12 @@ async def test_shutdown_closes_websockets_with_1001(stack):
 
 
 async def test_a_generation_cancelled_before_it_ran_still_ends_its_stream():
+    from pdserve.config import EdgeConfig
     from services.edge.stream_log import MemoryStreams
     from services.edge.streams import Streams
     ended = []
-    streams = Streams(MemoryStreams(), resume_seconds=1.0, on_end=ended.append)
+    cfg = EdgeConfig(model="-", stream_resume_seconds=1.0)
+    streams = Streams(cfg, MemoryStreams(cfg), on_end=ended.append)
 
     async def payloads():
         yield ['{"never": 1}']
