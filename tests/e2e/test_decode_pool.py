@@ -199,7 +199,7 @@ def test_a_prefill_worker_killed_before_the_pull_costs_a_local_prefill_not_the_r
     from pdserve.rpc import channel
     from pdserve.v1 import common_pb2
     from services.edge.engine_requests import prefill_request
-    from services.edge.generation import DecodeLeg, fresh_lease
+    from services.edge.leg import DecodeLeg, fresh_lease
     from transfer.connector import request_params_for_decode
 
     ids = AutoTokenizer.from_pretrained(model_dir).encode(CASES[0].payload["prompt"])

@@ -327,7 +327,7 @@ async def test_a_generation_cancelled_before_it_ran_still_ends_its_stream():
 
     async def payloads():
         yield ['{"never": 1}']
-    live = streams.start(object(), payloads())
+    live = streams.start(object(), lambda append: payloads())
     assert streams.cancel(live.stream_id, "at once")
     await asyncio.sleep(0.01)
     assert ended == [live] and live.ended == "cancelled"
@@ -370,9 +370,16 @@ async def test_a_finished_generation_leaves_no_cycle_for_the_collector(stack):
     import gc
 
     from services.edge.admission import Ticket
+    from services.edge.admitted import AdmittedGeneration
     from services.edge.app import STREAMS
     from services.edge.events import Renderer
-    from services.edge.generation import GenerationStream
+    from services.edge.generation_stream import GenerationStream
+    from services.edge.leg import LegCall
+    from services.edge.moves import Mover
+    from services.edge.output import Output
+    from services.edge.stats import GenerationStats
+    kinds = (GenerationStream, Ticket, Renderer, AdmittedGeneration, LegCall, Mover, Output,
+             GenerationStats)
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
@@ -385,7 +392,7 @@ async def test_a_finished_generation_leaves_no_cycle_for_the_collector(stack):
             await stack.until(lambda: not stack.app[STREAMS].live)
         gc.collect()
         left = [type(o).__name__ for o in gc.garbage
-                if isinstance(o, (GenerationStream, Ticket, Renderer))]
+                if isinstance(o, kinds)]
         assert left == []
     finally:
         gc.set_debug(0)
