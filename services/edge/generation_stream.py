@@ -130,7 +130,7 @@ class GenerationStream:
         if token is not None:
             # The prefill's token, out before the decode's handover; the decode leg is
             # asked for what follows it, like a moved leg.
-            early = out.take_prefills(token, self.gen.sampling.max_tokens)
+            early = out.take_prefill_token(token, self.gen.sampling.max_tokens)
             if first_leg:                       # pdserve:prefill_first_tokens
                 self.stats.prefill_first_token = True
             if out.finish_reason is not None:   # it ended the generation: no decode

@@ -34,12 +34,12 @@ from .engine_requests import constrained
 from .generation import Generation, deadline_passed
 from .leg import DecodeLeg, Slot
 from .openai_protocol import APIError
-from .stats import GenerationStats
+from .stats import GenerationStats, Placed
 
 log = logging.getLogger("pdserve.edge")
 
 # (generation, engine request id, prompt ids, workers to avoid) -> a new leg and its placement
-Place = Callable[[Generation, str, list[int], set[str]], Awaitable[tuple[DecodeLeg, object]]]
+Place = Callable[[Generation, str, list[int], set[str]], Awaitable[tuple[DecodeLeg, Placed]]]
 
 
 def owed(sampling: common_pb2.SamplingParams, sent: int) -> common_pb2.SamplingParams | None:

@@ -53,7 +53,7 @@ class Output:
             return Chunk(ids, text, "stop", logprobs)
         return Chunk(ids, text, logprobs=logprobs)
 
-    def take_prefills(self, token: int, max_tokens: int) -> Chunk:
+    def take_prefill_token(self, token: int, max_tokens: int) -> Chunk:
         """The token the prefill sampled, taken before the decode answers; it ends the
         generation when the engine would stop on it, or when it was the last owed."""
         chunk = self.take([token])
