@@ -233,12 +233,14 @@ class EdgeConfig:
     stream_max_events: int = 4096
     stream_stall_seconds: float = 10.0   # a reader blocked this long is cut off
     sse_keepalive_seconds: float = 15.0
-    # Faults (services/edge/generation.py): a failing worker costs a retry, not a stream.
+    # Faults (services/edge/moves.py): a failing worker costs a retry, not a stream.
     prefill_timeout_seconds: float = 30.0   # a slower prefill is tried on another worker
     prefill_attempts: int = 2               # prefill workers tried before local prefill
     decode_stall_seconds: float = 5.0       # a decode silent this long moves elsewhere
     decode_first_token_seconds: float = 30.0  # ... before its first token
     max_migrations: int = 3                 # moves per generation before it fails
+    decode_exclude_seconds: float = 10.0    # a worker that failed a generation: skipped this long
+    decode_place_wait_seconds: float = 30.0  # a move waits this long for a decode worker to serve
     # How decode legs read tokens: past a few open legs, one shared call per worker that
     # offers pdserve.v1.BatchedGenerate (batched; a stock worker gets per-request calls),
     # or one vLLM `Generate` call each (per-request).
@@ -272,7 +274,8 @@ class EdgeConfig:
         for name in ("stream_resume_seconds", "stream_ttl_seconds", "stream_stall_seconds",
                      "sse_keepalive_seconds", "stream_max_events", "admission_wait_seconds",
                      "max_request_bytes", "drain_seconds", "prefill_timeout_seconds",
-                     "prefill_attempts", "decode_stall_seconds", "decode_first_token_seconds"):
+                     "prefill_attempts", "decode_stall_seconds", "decode_first_token_seconds",
+                     "decode_exclude_seconds", "decode_place_wait_seconds"):
             _check_positive(name, getattr(self, name))
         _check_port("port", self.port)
         _check_port("grpc_port", self.grpc_port)

@@ -45,7 +45,7 @@ the tiny model's 32-token requests) while the heavy tenant keeps every other
 slot full. The preempted request is not lost: its stream gives the slot
 up (its engine request aborted; `Ticket.on_preempt`), waits first in its
 tenant's line, never refused (`Ticket.resume`), and goes on from the tokens it
-has sent, as a moved generation does (generation.py). vLLM does the same inside
+has sent, as a moved generation does (moves.py). vLLM does the same inside
 one engine when its KV cache runs out (recompute preemption); this does it
 across the pool, for fairness. A request is preempted at most PREEMPT_LIMIT
 times; one tenant alone, or tenants that have used the pool alike, never are.
@@ -78,6 +78,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pdserve.config import EdgeConfig
+
 from .keys import APIKey
 from .openai_protocol import APIError
 
@@ -106,14 +108,14 @@ class Ticket:
     slot: int                       # its slot in Admission._slots; -1 while preempted
     waited: float                   # seconds in the queue
     released: bool = False
-    # Set by the request's stream once it runs: asked to give the slot up, it stops
-    # its engine request and answers True (False: it cannot now, e.g. it is ending).
-    # Only a held slot is taken back (`slot` >= 0).
+    # Set by the generation that holds it (admitted.py): asked to give the slot up, its
+    # stream stops its engine request and answers True (False: it cannot now, e.g. it
+    # is ending). Only a held slot is taken back (`slot` >= 0).
     on_preempt: Callable[[], bool] | None = None
     preempted: int = 0              # times it gave its slot up
 
     def release(self) -> None:
-        self.on_preempt = None                  # its stream's: no cycle left behind
+        self.on_preempt = None                  # admission lets go of the stream
         if not self.released:
             self.released = True
             if self.slot >= 0:
@@ -161,9 +163,9 @@ def pool_capacity(workers, decode_role: int) -> float:
 class Admission:
     """Counts room in the pool and queues whatever does not fit."""
 
-    def __init__(self, max_queue: int, max_wait: float, metrics=None):
-        self.max_queue = max_queue
-        self.max_wait = max_wait
+    def __init__(self, cfg: EdgeConfig, metrics=None):
+        self.max_queue = cfg.admission_queue
+        self.max_wait = cfg.admission_wait_seconds
         self.metrics = metrics
         self.capacity: float = float("inf")     # until the first reading
         self.in_flight = 0                       # tickets not yet released

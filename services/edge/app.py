@@ -11,7 +11,6 @@ by `[DONE]`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -23,20 +22,21 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from pdserve import genai, telemetry
+from pdserve import telemetry
 from pdserve.config import EdgeConfig
 from pdserve.v1 import common_pb2, router_pb2
 
 from . import openai_protocol as oai
-from .metrics import EdgeMetrics, observe_all
+from .metrics import EdgeMetrics
 from . import sse, websocket
 from .admission import Admission, pool_capacity
+from .admitted import AdmittedGeneration, admit
 from .choices import Choice
 from .events import Renderer
 from .keys import APIKey, KeyRing
 from .openapi import SPEC
 from .limits import RateLimits
-from .generation import Generation, GenerationStream
+from .generation import Generation
 from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
 from .stream_log import BadPosition, EventsGone, StreamGone
@@ -164,13 +164,14 @@ def _budget(request: web.Request, cfg: EdgeConfig) -> float:
 
 
 async def begin(request: web.Request, kind: oai.Kind, raw: bytes
-                ) -> tuple[oai.CompletionRequest, list[GenerationStream]]:
+                ) -> tuple[oai.CompletionRequest, list[AdmittedGeneration], dict]:
     """Validate, tokenize, route and prefill one request (HTTP or WebSocket): a
-    generation per choice (`n`); raises APIError (counted) when it cannot start."""
+    generation per choice (`n`), and the rate limits' headers; raises APIError
+    (counted) when it cannot start."""
     cfg, metrics = request.app[CONFIG], request.app[METRICS]
     started = time.perf_counter()
     rid = oai.completion_id(kind)
-    streams: list[GenerationStream] = []
+    runs: list[AdmittedGeneration] = []
     try:
         deadline = time.monotonic() + _budget(request, cfg)
         req = oai.parse_request(kind, raw, {cfg.name})
@@ -184,63 +185,27 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
                              prompt_token_ids=ids, sampling=_sampling(req, max_tokens, index),
                              session_id=_session_key(request, req), deadline=deadline,
                              kind=kind)
-            streams.append(await place(request.app, request[CALLER], gen, started))
+            runs.append(await place(request.app, request[CALLER], gen, started))
     except BaseException as e:
-        for stream in streams:              # choices placed before one failed
-            _generation_ended(request.app, stream)
+        for run in runs:                    # choices placed before one failed
+            _generation_ended(request.app, run)
         if isinstance(e, oai.APIError):
             metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
         raise
-    streams[0].stats["rate_headers"] = rate_headers
-    return req, streams
+    return req, runs, rate_headers
 
 
 async def place(app: web.Application, key: APIKey, gen: Generation, started: float
-                ) -> GenerationStream:
+                ) -> AdmittedGeneration:
     """Wait for room in the pool, then route and prefill; counted from here on
-    (HTTP, WebSocket and Inference gRPC alike). The generation's span starts here
-    and ends with it (`_generation_ended`)."""
-    span = telemetry.span(genai.span_name(gen.kind, gen.model), attributes={
-        **genai.request_attributes(gen.kind, gen.model, len(gen.prompt_token_ids),
-                                   gen.sampling),
-        "pdserve.request.id": gen.request_id, "pdserve.tenant": key.tenant})
-    ticket = None
-    try:
-        with telemetry.current(span):
-            admit = telemetry.span("admit")
-            try:
-                ticket = await app[ADMISSION].admit(key)
-            finally:
-                telemetry.end(admit, None if ticket else "refused",
-                              pdserve__queue_seconds=ticket.waited if ticket else 0.0)
-            stream = await app[ORCH].start(gen)
-    except BaseException as e:
-        if ticket is not None:
-            ticket.release()
-        telemetry.end(span, e)
-        raise
-    stream.span = span
-    stream.stats["ticket"] = ticket
-    stream.readmit, stream.running = ticket.resume, ticket.running
-    ticket.on_preempt = stream.preempt
-    admitted(app, stream, started)
-    return stream
-
-
-def admitted(app: web.Application, stream: GenerationStream, started: float) -> None:
-    """Count a generation that starts; `_generation_ended` counts its end."""
-    cfg, metrics = app[CONFIG], app[METRICS]
-    stream.stats["started"] = started
-    if stream.stats.get("prefill_fallback"):
-        metrics.prefill_fallbacks.labels(cfg.name).inc()
-    metrics.prefill_failovers.labels(cfg.name).inc(stream.stats.get("prefill_failovers", 0))
-    metrics.prompt_tokens.labels(cfg.name).inc(len(stream.gen.prompt_token_ids))
-    metrics.placements.labels(cfg.name, stream.stats["placement"]).inc()
-    metrics.running.labels(cfg.name).inc()
+    (HTTP, WebSocket and Inference gRPC alike) until `_generation_ended`."""
+    run = await admit(app[ADMISSION], app[ORCH], key, gen, started)
+    run.count_start(app[METRICS], app[CONFIG].name)
+    return run
 
 
 def _renderer(app: web.Application, req: oai.CompletionRequest,
-              streams: list[GenerationStream]) -> Renderer:
+              runs: list[AdmittedGeneration]) -> Renderer:
     """How the request's choices render (choices.py)."""
     encoder = app[ENCODER]
     tokens = encoder.token_text if req.sampling.logprobs is not None else None
@@ -250,21 +215,22 @@ def _renderer(app: web.Application, req: oai.CompletionRequest,
                 else encoder.tokenizer.decode(list(req.prompt)))
     choices = [Choice(i, req.kind, tokens=tokens, logprobs=req.sampling.logprobs, echo=echo,
                       tool_stream=encoder.tool_stream(req.tools), tool_request=req.tools)
-               for i in range(len(streams))]
-    return Renderer(req.kind, req.include_usage, streams, req.model, choices,
-                    on_choice_end=lambda stream: _generation_ended(app, stream))
+               for i in range(len(runs))]
+    return Renderer(req.kind, req.include_usage, runs, req.model, choices,
+                    on_choice_end=lambda run: _generation_ended(app, run))
 
 
 def start_stream(request: web.Request, req: oai.CompletionRequest,
-                 streams: list[GenerationStream]) -> LiveStream:
+                 runs: list[AdmittedGeneration]) -> LiveStream:
     """Hand the generation to its stream: from now on it runs for the stream's
     readers, not for one connection."""
-    renderer = _renderer(request.app, req, streams)
-    # One choice's steady outputs may be rendered from the call that read them.
-    step = renderer.payload if len(streams) == 1 else None
-    live = request.app[STREAMS].start(streams[0], renderer.payloads(),
-                                      owner=request[CALLER].key_id, step=step)
-    if len(streams) > 1:
+    renderer = _renderer(request.app, req, runs)
+    one = len(runs) == 1
+    # One choice's steady outputs may go to the log from the call that read them.
+    live = request.app[STREAMS].start(
+        runs[0], lambda append: renderer.payloads(append if one else None),
+        owner=request[CALLER].key_id)
+    if not one:
         live.task.add_done_callback(lambda task: renderer.end_choices())
     return live
 
@@ -281,21 +247,20 @@ def _plain_framing(request: web.Request) -> bool:
 
 async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamResponse:
     plain = _plain_framing(request)
-    req, streams = await begin(request, kind, await request.read())
-    stream = streams[0]
-    rid, metrics = stream.gen.request_id, request.app[METRICS]
+    req, runs, rate_headers = await begin(request, kind, await request.read())
+    run = runs[0]
+    stream, metrics = run.stream, request.app[METRICS]
     # x-pdserve-path is set when the response starts: the decode's first output can
-    # still turn a disaggregated request local (see GenerationStream._first_chunk).
-    headers = {"x-pdserve-placement": stream.stats["placement"],
-               "x-pdserve-worker": stream.decode_worker, "x-request-id": rid,
-               QUEUE_HEADER: f"{stream.stats['ticket'].waited * 1000:.1f}",
-               **stream.stats["rate_headers"]}
+    # still turn a disaggregated request local (see LegCall._first_output).
+    headers = {"x-pdserve-placement": stream.stats.placed.placement,
+               "x-pdserve-worker": stream.decode_worker, "x-request-id": stream.gen.request_id,
+               QUEUE_HEADER: f"{run.ticket.waited * 1000:.1f}", **rate_headers}
     if req.stream:
         return await _stream_response(request, _ENDPOINT[kind],
-                                      start_stream(request, req, streams), headers, plain)
+                                      start_stream(request, req, runs), headers, plain)
     status = "200"
     try:
-        body = await _renderer(request.app, req, streams).response()
+        body = await _renderer(request.app, req, runs).response()
         return web.json_response(body, headers=headers | {"x-pdserve-path": stream.path})
     except oai.APIError as e:
         status = str(e.status)
@@ -305,40 +270,12 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         raise
     finally:
         metrics.requests.labels(_ENDPOINT[kind], stream.path, status).inc()
-        _generation_ended(request.app, stream)
+        _generation_ended(request.app, run)
 
 
-def _generation_ended(app: web.Application, stream: GenerationStream) -> None:
+def _generation_ended(app: web.Application, run: AdmittedGeneration) -> None:
     """Count a generation once it is over (streamed or not, read or abandoned)."""
-    cfg, metrics = app[CONFIG], app[METRICS]
-    stream.stats["ticket"].release()
-    stream.close()                  # a lease the decode never pulled ends now
-    if stream.stats.get("pull_refused"):
-        metrics.prefill_fallbacks.labels(cfg.name).inc()
-    if stream.stats.get("prefill_first_token"):
-        metrics.prefill_first_tokens.labels(cfg.name).inc()
-    for ms in stream.migrations:
-        metrics.migrations.labels(cfg.name).inc()
-        metrics.migration_seconds.labels(cfg.name).observe(ms / 1000)
-    metrics.running.labels(cfg.name).dec()
-    metrics.generation_tokens.labels(cfg.name).inc(stream.completion_tokens)
-    metrics.kv_external_tokens.labels(cfg.name).inc(stream.stats.get("decode_external_tokens", 0))
-    started = stream.stats["started"]
-    metrics.e2e.labels(cfg.name, stream.path).observe(time.perf_counter() - started)
-    if stream.first_token_at is not None:
-        metrics.ttft.labels(cfg.name, stream.path).observe(stream.first_token_at - started)
-    observe_all(metrics.itl.labels(cfg.name, stream.path), stream.token_gaps)
-    telemetry.end(stream.span, None if stream.finish_reason else "ended early",
-                  pdserve__path=stream.path, pdserve__placement=stream.stats["placement"],
-                  pdserve__decode_worker=stream.decode_worker,
-                  pdserve__migrations=len(stream.migrations),
-                  attributes=genai.response_attributes(stream.gen.request_id, stream.gen.model,
-                                                       stream.completion_tokens,
-                                                       stream.finish_reason))
-    log.info("request %s done: path=%s prompt=%d completion=%d finish=%s moves=%d %.0f ms",
-             stream.gen.request_id, stream.path, len(stream.gen.prompt_token_ids),
-             stream.completion_tokens, stream.finish_reason, len(stream.migrations),
-             (time.perf_counter() - started) * 1000)
+    run.end(app[METRICS], app[CONFIG].name)
 
 
 async def _stream_response(request: web.Request, endpoint: str, live: LiveStream,
@@ -346,7 +283,8 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
     """The client that asked reads its stream from the start, as SSE (`plain`:
     OpenAI's framing, else the resumable one)."""
     metrics, status = request.app[METRICS], "200"
-    span = telemetry.span("stream", parent=live.generation.span, attributes={
+    stream = live.generation.stream
+    span = telemetry.span("stream", parent=stream.span, attributes={
         "pdserve.stream.id": live.stream_id, "pdserve.transport": "sse"})
     try:
         cfg = request.app[CONFIG]
@@ -360,12 +298,12 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
                                on_cut=metrics.streams_cut.labels("sse").inc, plain=plain)
     except oai.APIError as e:
         status = str(e.status)
-        return _error_response(e, headers | {"x-pdserve-path": live.generation.path})
+        return _error_response(e, headers | {"x-pdserve-path": stream.path})
     except (asyncio.CancelledError, ConnectionResetError):
         status = "499"  # gone; the generation waits a while for it to resume
         raise
     finally:
-        metrics.requests.labels(endpoint, live.generation.path, status).inc()
+        metrics.requests.labels(endpoint, stream.path, status).inc()
         telemetry.end(span, None if status == "200" else f"HTTP {status}",
                       http__response__status_code=int(status))
 
@@ -502,7 +440,7 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app[METRICS] = EdgeMetrics(cfg.name)
     app[ROUTER_METRICS] = router_metrics
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
-    app[ADMISSION] = Admission(cfg.admission_queue, cfg.admission_wait_seconds, app[METRICS])
+    app[ADMISSION] = Admission(cfg, app[METRICS])
     if cfg.admission:                   # off: capacity stays unbounded, nothing to read
         app.cleanup_ctx.append(_read_pool)
 
@@ -511,8 +449,8 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
         app[METRICS].streams_ended.labels(live.ended).inc()
         _generation_ended(app, live.generation)
 
-    app[STREAMS] = Streams(open_store(cfg), cfg.stream_resume_seconds, on_start=app[
-        METRICS].streams_open.inc, on_end=ended)
+    app[STREAMS] = Streams(cfg, open_store(cfg), on_start=app[METRICS].streams_open.inc,
+                           on_end=ended)
     app[websocket.SOCKETS] = weakref.WeakSet()
     app.on_shutdown.append(websocket.drain)
     app.on_cleanup.append(lambda app: app[STREAMS].close())
@@ -521,7 +459,7 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app.router.add_get("/v1/ws", websocket.handle)
     app.router.add_get("/v1/streams/{stream_id}", follow_stream)
     app.router.add_delete("/v1/streams/{stream_id}", cancel_stream)
-    tokenize, detokenize = tokenize_handlers(encoder, cfg.name, cfg.max_model_len)
+    tokenize, detokenize = tokenize_handlers(encoder, cfg)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)

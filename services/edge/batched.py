@@ -11,13 +11,13 @@ stock `vllm ... --grpc`) gets per-request calls, and so do the first `BATCH_FROM
 legs open on a worker that does (alone, a call of its own is cheaper than a
 shared one).
 
-A `BatchedLeg` behaves as the per-request call it replaces, as far as
-`GenerationStream` can tell: iterating it yields `GenerateResponse`s, then
+A `BatchedLeg` behaves as the per-request call it replaces, as far as a
+leg's call (leg.py) can tell: iterating it yields `GenerateResponse`s, then
 ends, or raises `grpc.aio.AioRpcError` with the generation's status (the
 shared call failing is UNAVAILABLE for every generation on it, so each moves
 to another worker as it would when its own call broke); `cancel()` makes the
 iteration raise `CancelledError` and aborts the generation on the worker; the
-deadline holds on this side too. A leg with a `sink` (GenerationStream._steady)
+deadline holds on this side too. A leg with a `sink` (LegCall._steady)
 hands it each output that arrives while its reader waits with nothing queued:
 the stream takes it in this call's reader task, so a token costs no task
 wake-up between the shared call and the client's socket (sse.pushed).
@@ -56,7 +56,7 @@ class BatchedLeg:
         self._waiter: asyncio.Future | None = None
         self._deadline: asyncio.TimerHandle | None = None
         # Takes an output synchronously while the reader waits with nothing queued
-        # (GenerationStream._steady); False hands it to the reader after all.
+        # (LegCall._steady); False hands it to the reader after all.
         self.sink = None
 
     def __aiter__(self) -> BatchedLeg:

@@ -165,7 +165,7 @@ class Choice:
 
     def _piece(self, chunk, prompt_logprobs) -> tuple[str, Any]:
         """The chunk's text (after the echoed prompt, the first time) and logprobs."""
-        text, ids, lps = chunk.text, chunk.token_ids, chunk.logprobs
+        text, lps = chunk.text, chunk.logprobs
         echo, self.echo = self.echo, None
         prompt = prompt_logprobs if echo is not None else None
         if echo is not None:

@@ -3,8 +3,8 @@
 
 Each payload is rendered once, as compact ASCII JSON text, and shared by every
 reader of the stream (see stream_log.py). A request with `n` choices has one
-GenerationStream per choice; their chunks go out interleaved as they come,
-each with its choice's index, as OpenAI streams them.
+generation per choice (admitted.py); their chunks go out interleaved as they
+come, each with its choice's index, as OpenAI streams them.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import time
 from typing import AsyncIterator, Callable
 
 from . import openai_protocol as oai
+from .admitted import AdmittedGeneration
 from .choices import Choice
-from .generation import Chunk, GenerationStream
+from .output import Chunk
 
 
 def payload(obj: dict) -> str:
@@ -43,18 +44,18 @@ def _text_template(chunk: dict) -> tuple[str, str]:
 
 class Renderer:
     """A request's chunks as payload batches: per chunk with output, the choice's
-    delta; then each choice's finish chunk (and usage when asked). `payload()` is the
-    step for one chunk of a one-choice request, which a caller may take synchronously
-    (GenerationStream.on_chunk); `payloads()` iterates the streams' chunks through
-    the same steps. `choices[i]` renders stream i's output (choices.py)."""
+    delta; then each choice's finish chunk (and usage when asked). `payloads()`
+    iterates the generations' chunks; `response()` gathers them into one answer.
+    `choices[i]` renders generation i's output (choices.py)."""
 
-    def __init__(self, kind: oai.Kind, include_usage: bool, streams: list[GenerationStream],
+    def __init__(self, kind: oai.Kind, include_usage: bool, runs: list[AdmittedGeneration],
                  model: str, choices: list[Choice],
-                 on_choice_end: Callable[[GenerationStream], None] = lambda s: None):
+                 on_choice_end: Callable[[AdmittedGeneration], None] = lambda run: None):
         self.kind, self.include_usage, self.model = kind, include_usage, model
-        self.streams, self.choices, self.on_choice_end = streams, choices, on_choice_end
+        self.runs, self.choices, self.on_choice_end = runs, choices, on_choice_end
+        self.streams = [run.stream for run in runs]
         self._ended = False
-        self.stream = streams[0]
+        self.stream = self.streams[0]
         self.rid, self.created = self.stream.gen.request_id, int(time.time())
         self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         # A choice's plain text is a template filled per chunk (the common case).
@@ -68,10 +69,6 @@ class Renderer:
             out["usage"] = usage
         return out
 
-    def payload(self, chunk: Chunk) -> list[str]:
-        """The payloads of one chunk of choice 0 (none for a chunk with no output)."""
-        return self._payloads(0, chunk)
-
     def _payloads(self, index: int, chunk: Chunk) -> list[str]:
         choice = self.choices[index]
         if choice.plain:
@@ -83,7 +80,7 @@ class Renderer:
                 return [text]
             return [payload(self._chunk([d])) for d in choice.opening()] + [text]
         return [payload(self._chunk([d]))
-                for d in choice.deltas(chunk, self.streams[index].prompt_logprobs)]
+                for d in choice.deltas(chunk, self.streams[index].output.prompt_logprobs)]
 
     def _last(self, index: int) -> list[str]:
         stream, choice = self.streams[index], self.choices[index]
@@ -99,10 +96,13 @@ class Renderer:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": self.stream.cached_tokens}}
 
-    async def payloads(self) -> AsyncIterator[list[str]]:
-        """Payload batches as the decode workers' chunks arrive. APIError propagates."""
+    async def payloads(self, append: Callable[[list[str]], None] | None = None
+                       ) -> AsyncIterator[list[str]]:
+        """Payload batches as the decode workers' chunks arrive. APIError propagates.
+        `append`: where a one-choice request's steady outputs may go, rendered, from
+        the call that read them (the stream's log; LegCall.chunks)."""
         if len(self.streams) == 1:
-            async with contextlib.aclosing(self.stream.chunks()) as chunks:
+            async with contextlib.aclosing(self.runs[0].chunks(self._steady(append))) as chunks:
                 async for chunk in chunks:
                     if out := self._payloads(0, chunk):
                         yield out
@@ -119,20 +119,31 @@ class Renderer:
             last.append(payload(self._chunk([], self.usage())))
         yield last
 
+    def _steady(self, append: Callable[[list[str]], None] | None
+                ) -> Callable[[Chunk], None] | None:
+        """The step for one chunk of choice 0 that a caller may take synchronously."""
+        if append is None:
+            return None
+
+        def step(chunk: Chunk) -> None:
+            if out := self._payloads(0, chunk):
+                append(out)
+        return step
+
     async def _interleaved(self) -> AsyncIterator[tuple[int, Chunk | None]]:
         """(choice index, chunk) as each stream yields them; (index, None) at its end."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, stream: GenerationStream) -> None:
+        async def pump(index: int, run: AdmittedGeneration) -> None:
             try:
-                async with contextlib.aclosing(stream.chunks()) as chunks:
+                async with contextlib.aclosing(run.chunks()) as chunks:
                     async for chunk in chunks:
                         queue.put_nowait((index, chunk, None))
                 queue.put_nowait((index, None, None))
             except Exception as e:  # noqa: BLE001 (handed to the reader, raised there)
                 queue.put_nowait((index, None, e))
 
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.runs)]
         try:
             for _ in range(len(tasks)):
                 while True:
@@ -154,19 +165,19 @@ class Renderer:
         cancelled before it ran."""
         if not self._ended:
             self._ended = True
-            for stream in self.streams[1:]:
-                self.on_choice_end(stream)
+            for run in self.runs[1:]:
+                self.on_choice_end(run)
 
     async def response(self) -> dict:
         """The whole answer as one chat.completion / text_completion object."""
-        async def run(index: int, stream: GenerationStream) -> None:
-            async with contextlib.aclosing(stream.chunks()) as chunks:
+        async def gather(index: int, run: AdmittedGeneration) -> None:
+            async with contextlib.aclosing(run.chunks()) as chunks:
                 async for chunk in chunks:
-                    self.choices[index].add(chunk, stream.prompt_logprobs)
+                    self.choices[index].add(chunk, run.stream.output.prompt_logprobs)
         try:
             async with asyncio.TaskGroup() as group:
-                for i, s in enumerate(self.streams):
-                    group.create_task(run(i, s))
+                for i, r in enumerate(self.runs):
+                    group.create_task(gather(i, r))
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None
         finally:
@@ -178,10 +189,11 @@ class Renderer:
                 "usage": self.usage()}
 
 
-async def render_inference(stream: GenerationStream) -> AsyncIterator[list[str]]:
+async def render_inference(run: AdmittedGeneration) -> AsyncIterator[list[str]]:
     """Payload batches for the internal Inference API: token ids, text, and the
     counts on the last one (under an "inference" key: not an OpenAI chunk)."""
-    async with contextlib.aclosing(stream.chunks()) as chunks:
+    stream = run.stream
+    async with contextlib.aclosing(run.chunks()) as chunks:
         async for chunk in chunks:
             out = {"token_ids": chunk.token_ids, "text": chunk.text, "path": stream.path}
             if chunk.finish_reason:

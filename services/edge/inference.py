@@ -128,13 +128,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                     f"request {gen.request_id} is already running")
             self.app[LIMITS].take(key, len(gen.prompt_token_ids) + gen.sampling.max_tokens)
-            stream = await place(self.app, key, gen, started)
+            run = await place(self.app, key, gen, started)
         except APIError as e:
             # Shed at admission (503 over HTTP) is RESOURCE_EXHAUSTED here: retry later.
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.type == "server_overloaded"
                     else _STATUS.get(e.status, grpc.StatusCode.INTERNAL))
             await context.abort(code, e.message)
-        live = streams.start(stream, render_inference(stream), owner=key.key_id)
+        live = streams.start(run, lambda append: render_inference(run), owner=key.key_id)
         self.running[gen.request_id] = live.stream_id
         try:
             reader = await streams.read(live.stream_id, 0, owner=key.key_id)
@@ -144,6 +144,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self.running.pop(gen.request_id, None)
             # The caller went away (or cancelled): stop decoding for nobody.
             streams.cancel(live.stream_id, "the Inference call ended")
+        stream = run.stream
         log.info("inference %s done: path=%s completion=%d finish=%s", gen.request_id,
                  stream.path, stream.completion_tokens, stream.finish_reason)
 

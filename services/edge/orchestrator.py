@@ -6,12 +6,13 @@ blocks for a decoder and returns their `kv_transfer_params_json`; the decode
 leg is a streaming `Generate` carrying those params, whose connector pulls the
 blocks. `start()` does everything that can still fail cleanly (routing,
 prefill), so the HTTP layer knows the outcome and the path before it sends
-headers; the returned `GenerationStream` (generation.py) then yields text
-chunks, and moves to another decode worker if its own fails.
+headers; the returned `GenerationStream` (generation_stream.py) then yields
+text chunks, and moves to another decode worker if its own fails.
 
 A prefill that fails (the worker is gone, refuses, or takes longer than
-`prefill_timeout`) is aborted there and tried on another prefill worker; after
-`prefill_attempts` the decode worker prefills locally instead (path "local").
+`prefill_timeout_seconds`) is aborted there and tried on another prefill
+worker; after `prefill_attempts` the decode worker prefills locally instead
+(path "local"). Every setting comes from the edge's `EdgeConfig`.
 The client never sees a prefill failure, only a later first token. Every call
 runs against the request's own deadline.
 """
@@ -24,10 +25,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.trace import INVALID_SPAN, Span
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from pdserve import telemetry
-from pdserve.config import DECODE_WINDOW_BYTES
+from pdserve.config import EdgeConfig
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, transfer_pb2, transfer_pb2_grpc
 from services.router.keystore import packed
@@ -37,9 +39,11 @@ from .batched import BATCH_FROM, BatchedCalls
 from .batched import SERVICE_NAME as BATCHED_SERVICE
 from .detokenizer import StopRule, TextStream
 from .engine_requests import continues_from_prefill_token, prefill_request
-from .generation import (DecodeLeg, Generation, GenerationStream, Heard, Resilience, api_error,
-                         in_background)
+from .generation import Generation, api_error
+from .generation_stream import GenerationStream
+from .leg import DecodeLeg, Heard, in_background
 from .route_calls import RouteCalls
+from .stats import GenerationStats, Placed
 
 log = logging.getLogger("pdserve.edge")
 
@@ -54,30 +58,22 @@ def _stop_rule(tokenizer, s) -> StopRule:
 
 
 class Orchestrator:
-    """Places requests and holds one channel per worker address."""
+    """Places requests and holds one channel per worker address. Its settings are the
+    edge's config (`cfg`); `router`: the router's calls answered in this process
+    (services/router/local.py), else each Route is a message on one open call to
+    `cfg.router` (route_calls.py); `batch_from`: see batched.py."""
 
-    def __init__(self, router_address: str, request_timeout: float, tokenizer,
-                 resilience: Resilience = Resilience(), batched: bool = False,
-                 batch_from: int = BATCH_FROM, router=None,
-                 first_token_from_prefill: bool = True,
-                 worker_window: int = DECODE_WINDOW_BYTES):
-        # `router`: the same calls answered in this process (services/router/local.py);
-        # else the router's, each Route a message on one open call (route_calls.py).
-        self.router_channel = None if router else channel(router_address)
+    def __init__(self, cfg: EdgeConfig, tokenizer, router=None, batch_from: int = BATCH_FROM):
+        self.cfg = cfg
+        self.router_channel = None if router else channel(cfg.router)
         self.router = router or RouteCalls(self.router_channel)
-        self.timeout = request_timeout
         self.tokenizer = tokenizer
-        self.resilience = resilience
         self.heard = Heard()                # decode workers' last output, for stall checks
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self.worker_window = worker_window  # each worker call's receive window (rpc.channel)
         # A stub builds a callable per method: one per worker and service, not one per
         # request (a new stub for each request was ~5% of the edge's CPU at 1,000 starts/s).
         self._stubs: dict[tuple[type, str], Any] = {}
-        # --decode-calls batched: one shared call per decode worker that offers it.
-        self.batched, self.batch_from = batched, batch_from
-        # --first-token prefill: the client gets the prefill's token when it answers.
-        self.first_token_from_prefill = first_token_from_prefill
+        self.batch_from = batch_from
         self._batched: dict[str, BatchedCalls | None] = {}
         self._probes: dict[str, asyncio.Future] = {}
         self.prefill_fallbacks = 0          # requests prefilled locally after prefill failed
@@ -86,7 +82,7 @@ class Orchestrator:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = channel(address, self.worker_window)
+            self._channels[address] = channel(address, self.cfg.decode_window_bytes)
         return self._channels[address]
 
     def _stub(self, cls: type, address: str):
@@ -101,7 +97,7 @@ class Orchestrator:
     async def _decode_calls(self, address: str) -> BatchedCalls | None:
         """The worker's shared call when batched decode calls are on and it serves
         them (asked once, by gRPC health); None: a `Generate` call per leg."""
-        if not self.batched or address in self._batched:
+        if self.cfg.decode_calls != "batched" or address in self._batched:
             return self._batched.get(address)
         probe = self._probes.get(address)
         if probe is None:                       # one question per worker, however many ask
@@ -140,61 +136,67 @@ class Orchestrator:
         return await self.router.ListWorkers(router_pb2.ListWorkersRequest(
             edge_id=edge_id, admitted=admitted), timeout=2.0)
 
-    async def start(self, gen: Generation) -> GenerationStream:
-        """Route and prefill; raises APIError when no worker can take the request."""
+    async def start(self, gen: Generation, span: Span = INVALID_SPAN) -> GenerationStream:
+        """Route and prefill; raises APIError when no worker can take the request.
+        `span`: the generation's trace span, its legs' parent."""
         if not gen.deadline:
-            gen.deadline = time.monotonic() + self.timeout
-        leg, stats = await self.place(gen, gen.request_id, gen.prompt_token_ids, set())
+            gen.deadline = time.monotonic() + self.cfg.request_timeout_seconds
+        leg, placed = await self.place(gen, gen.request_id, gen.prompt_token_ids, set())
         path = "disaggregated" if leg.prefill_params is not None else "local"
         log.info("request %s: path=%s decode=%s prefill=%s (%s)", gen.request_id, path,
-                 leg.worker_id, stats.get("prefill_worker", "-"), stats["reason"])
-        return GenerationStream(
-            gen=gen, path=path, leg=leg, place=self.place, resilience=self.resilience,
-            heard=self.heard,
-            text=TextStream(self.tokenizer, gen.prompt_token_ids,
-                            _stop_rule(self.tokenizer, gen.sampling)), stats=stats)
+                 leg.worker_id, placed.prefill_worker or "-", placed.reason)
+        text = TextStream(self.tokenizer, gen.prompt_token_ids,
+                          _stop_rule(self.tokenizer, gen.sampling))
+        return GenerationStream(gen, leg, text, GenerationStats(placed, path), self.cfg,
+                                place=self.place, heard=self.heard, aborts=self._aborts,
+                                span=span)
 
     async def place(self, gen: Generation, request_id: str, prompt: list[int],
-                    exclude: set[str]) -> tuple[DecodeLeg, dict]:
+                    exclude: set[str]) -> tuple[DecodeLeg, Placed]:
         """A decode leg for `prompt` (the request's, or a moved generation's prompt plus
         its output so far), never on a worker in `exclude`: prefilled on a prefill
         worker (the next one when one fails), else locally."""
         decision = await self._route(gen, request_id, prompt, exclude)
-        stats: dict = {"placement": decision.reason.split(":")[0], "reason": decision.reason,
-                       "cached_tokens": decision.cached_tokens}
+        placed = Placed(decision.reason.split(":")[0], decision.reason, decision.cached_tokens)
         failed = 0
         # Prompt logprobs come from the engine that computes the prompt: the decode's.
         remote = not decision.local_prefill and not gen.sampling.HasField("prompt_logprobs")
         while remote and not decision.local_prefill:
-            params, token, leg = await self._prefill(gen, request_id, prompt, decision.prefill)
+            params, token = await self._prefill(gen, request_id, prompt, decision.prefill,
+                                                placed)
             if params is not None:
-                stats.update(leg)
-                address = decision.prefill.address
-                prefilled_at = time.monotonic()
-                # The prefill's token goes to the client now when the decode worker can
-                # go on after it (engine_requests.continues_from_prefill_token).
-                if not (self.first_token_from_prefill and decision.decode.continues_prefill
-                        and continues_from_prefill_token(gen.sampling, params)):
-                    token = None
-                return DecodeLeg(request_id, decision.decode.worker_id,
-                                 self._engine(decision.decode.address), params, address,
-                                 self._leases(address), prefilled_at, self._channel(address),
-                                 calls=await self._decode_calls(decision.decode.address),
-                                 first_token=token), stats
+                return await self._pulling(gen, request_id, decision, params, token), placed
             failed += 1
-            if failed >= self.resilience.prefill_attempts:
+            if failed >= self.cfg.prefill_attempts:
                 break
             self.prefill_failovers += 1
-            stats["prefill_failovers"] = stats.get("prefill_failovers", 0) + 1
+            placed.prefill_failovers += 1
             exclude = exclude | {decision.prefill.worker_id}
             decision = await self._route(gen, request_id, prompt, exclude)
         if failed:
             # NOTE: a failed prefill degrades to local prefill, never to an error.
             self.prefill_fallbacks += 1
-            stats["prefill_fallback"] = True
+            placed.prefill_fallback = True
         return DecodeLeg(request_id, decision.decode.worker_id,
                          self._engine(decision.decode.address),
-                         calls=await self._decode_calls(decision.decode.address)), stats
+                         calls=await self._decode_calls(decision.decode.address)), placed
+
+    async def _pulling(self, gen: Generation, request_id: str,
+                       decision: router_pb2.RouteDecision, params: dict[str, Any],
+                       token: int | None) -> DecodeLeg:
+        """The decode leg that pulls what the prefill worker of `decision` computed."""
+        address = decision.prefill.address
+        prefilled_at = time.monotonic()
+        # The prefill's token goes to the client now when the decode worker can go on
+        # after it (engine_requests.continues_from_prefill_token).
+        if not (self.cfg.first_token == "prefill" and decision.decode.continues_prefill
+                and continues_from_prefill_token(gen.sampling, params)):
+            token = None
+        return DecodeLeg(request_id, decision.decode.worker_id,
+                         self._engine(decision.decode.address), params, address,
+                         self._leases(address), prefilled_at, self._channel(address),
+                         calls=await self._decode_calls(decision.decode.address),
+                         first_token=token)
 
     async def _route(self, gen: Generation, request_id: str, prompt: list[int],
                      exclude: set[str]) -> router_pb2.RouteDecision:
@@ -218,51 +220,36 @@ class Orchestrator:
         return decision
 
     async def _prefill(self, gen: Generation, request_id: str, prompt: list[int],
-                       worker: router_pb2.WorkerInfo
-                       ) -> tuple[dict[str, Any] | None, int | None, dict]:
+                       worker: router_pb2.WorkerInfo, placed: Placed
+                       ) -> tuple[dict[str, Any] | None, int | None]:
         """The prefill leg, traced as one span (the worker's call its child)."""
         span = telemetry.span("prefill", attributes={"pdserve.worker.id": worker.worker_id,
                                                      "pdserve.request.id": request_id})
         try:
             with telemetry.current(span):
-                params, token, leg = await self._prefill_leg(gen, request_id, prompt, worker)
+                params, token = await self._prefill_leg(gen, request_id, prompt, worker, placed)
         except BaseException as e:
             telemetry.end(span, e)
             raise
         telemetry.end(span, None if params else "failed: tried elsewhere",
                       pdserve__kv__blocks=len((params or {}).get(REMOTE_BLOCK_IDS) or ()))
-        return params, token, leg
+        return params, token
 
     async def _prefill_leg(self, gen: Generation, request_id: str, prompt: list[int],
-                           worker: router_pb2.WorkerInfo
-                           ) -> tuple[dict[str, Any] | None, int | None, dict]:
-        """The prefill leg: the KV handover's params, the token the prefill sampled (None
-        if it sent none), and the leg's stats; (None, None, {}) when it fails for any
-        reason but bad input or the request's own deadline (then it is aborted on the
-        worker)."""
-        stub = self._engine(worker.address)
+                           worker: router_pb2.WorkerInfo, placed: Placed
+                           ) -> tuple[dict[str, Any] | None, int | None]:
+        """The prefill leg: the KV handover's params and the token the prefill sampled
+        (None if it sent none), the leg recorded in `placed`; (None, None) when it fails
+        for any reason but bad input or the request's own deadline (then it is aborted
+        on the worker)."""
         started = time.perf_counter()
         budget = gen.remaining()
-        token, cached = None, 0
         try:
-            params = None
-            call = stub.Generate(prefill_request(request_id, prompt, gen.sampling),
-                                 timeout=min(self.resilience.prefill_timeout, budget),
-                                 metadata=telemetry.metadata())
-            while params is None:
-                resp = await call.read()
-                if resp is grpc.aio.EOF:
-                    break
-                if resp.HasField("complete") and resp.complete.HasField("kv_transfer_params_json"):
-                    params = decode(resp.complete.kv_transfer_params_json)
-                    if len(resp.complete.output_ids) == 1:
-                        token = resp.complete.output_ids[0]
-                    cached = resp.complete.cached_tokens
-            if params is not None:
-                # The answer is in: the decode starts now. The call's status follows
-                # the worker's own bookkeeping after its last message; it is read in
-                # the background (the call must stay referenced until it ends).
-                in_background(call.code(), self._aborts)
+            call = self._engine(worker.address).Generate(
+                prefill_request(request_id, prompt, gen.sampling),
+                timeout=min(self.cfg.prefill_timeout_seconds, budget),
+                metadata=telemetry.metadata())
+            params, token, cached = await self._prefill_answer(call)
             check_prefill_answer(params or {})
         except asyncio.CancelledError:
             # The client left while the prefill ran: it may have finished on the
@@ -276,12 +263,31 @@ class Orchestrator:
             gen.remaining()                 # the request's own budget ran out: 504
             log.warning("prefill of %s on %s failed (%s: %s)", request_id, worker.worker_id,
                         e.code().name, e.details())
-            return None, None, {}
+            return None, None
         except ValueError as e:
             log.warning("prefill of %s on %s failed (%s)", request_id, worker.worker_id, e)
-            return None, None, {}
-        return params, token, {"prefill_worker": worker.worker_id, "prefill_cached_tokens": cached,
-                               "prefill_ms": (time.perf_counter() - started) * 1000}
+            return None, None
+        placed.prefill_worker, placed.prefill_cached_tokens = worker.worker_id, cached
+        placed.prefill_ms = (time.perf_counter() - started) * 1000
+        return params, token
+
+    async def _prefill_answer(self, call) -> tuple[dict[str, Any] | None, int | None, int]:
+        """The prefill call's answer: the KV handover's params (None: it sent none), the
+        token it sampled (None if not one), and its prefix hit in tokens."""
+        while True:
+            resp = await call.read()
+            if resp is grpc.aio.EOF:
+                return None, None, 0
+            if resp.HasField("complete") and resp.complete.HasField("kv_transfer_params_json"):
+                break
+        done = resp.complete
+        params = decode(done.kv_transfer_params_json)
+        # The answer is in: the decode starts now. The call's status follows the
+        # worker's own bookkeeping after its last message; it is read in the
+        # background (the call must stay referenced until it ends).
+        in_background(call.code(), self._aborts)
+        token = done.output_ids[0] if len(done.output_ids) == 1 else None
+        return params, token, done.cached_tokens
 
     def _abort_prefill(self, worker: router_pb2.WorkerInfo, request_id: str, why: str) -> None:
         """Drop a prefill leg that will not be used: the engine's request (it may still

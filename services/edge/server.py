@@ -16,7 +16,6 @@ from services.router.server import Router
 from .app import ADMISSION, STREAMS, build_app
 from .detokenizer import byte_table
 from .inference import InferenceService
-from .generation import Resilience
 from .orchestrator import Orchestrator
 from .prompts import PromptEncoder
 from .runner import EdgeRunner
@@ -29,15 +28,6 @@ FULL_COLLECTION_EVERY = 1000
 log = logging.getLogger("pdserve.edge")
 
 
-def resilience(cfg: EdgeConfig) -> Resilience:
-    """The edge's fault settings, as generations use them."""
-    return Resilience(prefill_timeout=cfg.prefill_timeout_seconds,
-                      prefill_attempts=cfg.prefill_attempts,
-                      stall_seconds=cfg.decode_stall_seconds,
-                      first_token_seconds=cfg.decode_first_token_seconds,
-                      max_migrations=cfg.max_migrations)
-
-
 async def serve(cfg: EdgeConfig) -> None:
     """Serve HTTP on cfg.host:cfg.port until signalled; streams in flight get 30 s to finish."""
     encoder = PromptEncoder(cfg.model, cfg.tool_call_parser)
@@ -46,10 +36,7 @@ async def serve(cfg: EdgeConfig) -> None:
     byte_table(encoder.tokenizer._tokenizer)
     # --router embedded: the router's registry, probes and placement on this loop.
     router = Router(cfg.embedded_router) if cfg.embedded_router else None
-    orchestrator = Orchestrator(cfg.router, cfg.request_timeout_seconds, encoder.tokenizer,
-                                resilience(cfg), batched=cfg.decode_calls == "batched",
-                                first_token_from_prefill=cfg.first_token == "prefill",
-                                worker_window=cfg.decode_window_bytes,
+    orchestrator = Orchestrator(cfg, encoder.tokenizer,
                                 router=LocalRouter(router.service) if router else None)
     app = build_app(cfg, orchestrator, encoder,
                     router_metrics=router.service.metrics.registry if router else None)

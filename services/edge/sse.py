@@ -135,7 +135,7 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
                         continue            # no keepalive before the first token
                     if live.error is not None:
                         raise live.error
-                    resp.headers["x-pdserve-path"] = live.generation.path
+                    resp.headers["x-pdserve-path"] = live.generation.stream.path
                 await resp.prepare(request)
                 bound_buffers(request)
                 pushable = isinstance(reader, Follower) and _chunked(resp)

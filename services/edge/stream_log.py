@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
+from pdserve.config import EdgeConfig
+
 DONE = "[DONE]"
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -255,9 +257,9 @@ class StreamStore(Protocol):
 class MemoryStreams:
     """Stream logs in this process; finished ones are dropped after their TTL."""
 
-    def __init__(self, max_events: int = 4096, ttl: float = 120.0):
-        self.max_events = max_events
-        self.ttl = ttl
+    def __init__(self, cfg: EdgeConfig):
+        self.max_events = cfg.stream_max_events
+        self.ttl = cfg.stream_ttl_seconds
         self.logs: dict[str, StreamLog] = {}
         self._swept = time.monotonic()
         self.on_cancel = lambda stream_id: False    # only other processes would call it

@@ -22,6 +22,8 @@ from typing import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 
+from pdserve.config import EdgeConfig
+
 from .stream_log import DONE, BadPosition, Event, EventsGone, MemoryStreams, StreamGone, \
     StreamLog, valid_stream_id
 
@@ -38,12 +40,12 @@ def _key(stream_id: str) -> str:
 class RedisStreams:
     """MemoryStreams for this replica's generations, mirrored into Redis."""
 
-    def __init__(self, url: str, max_events: int = 4096, ttl: float = 120.0):
-        self.url = url
-        self.local = MemoryStreams(max_events, ttl)
-        self.max_events = max_events
-        self.ttl = ttl
-        self.redis = aioredis.from_url(url, decode_responses=True)
+    def __init__(self, cfg: EdgeConfig):
+        self.url = cfg.stream_store                 # redis://HOST:PORT
+        self.local = MemoryStreams(cfg)
+        self.max_events = cfg.stream_max_events
+        self.ttl = cfg.stream_ttl_seconds
+        self.redis = aioredis.from_url(self.url, decode_responses=True)
         self._pending: list[tuple[str, int, list[str], bool, str | None]] = []
         self._flushing: asyncio.Task | None = None
         self._listener: asyncio.Task | None = None

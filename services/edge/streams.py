@@ -16,25 +16,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from pdserve.config import EdgeConfig
+
 from . import openai_protocol as oai
+from .admitted import AdmittedGeneration
 from .events import error_payload
-from .generation import Chunk, GenerationStream
 from .stream_log import DONE, Event, MemoryStreams, StreamLog, StreamStore
 
 log = logging.getLogger("pdserve.edge")
 
+# Appends a batch of payloads to a stream's log, synchronously.
+Append = Callable[[list[str]], None]
 
-def open_store(cfg) -> StreamStore:
+
+def open_store(cfg: EdgeConfig) -> StreamStore:
     """The stream store an EdgeConfig names."""
     if cfg.stream_store.startswith("redis://"):
         from .stream_redis import RedisStreams
-        return RedisStreams(cfg.stream_store, cfg.stream_max_events, cfg.stream_ttl_seconds)
-    return MemoryStreams(cfg.stream_max_events, cfg.stream_ttl_seconds)
+        return RedisStreams(cfg)
+    return MemoryStreams(cfg)
 
 
 def new_stream_id() -> str:
@@ -47,7 +53,7 @@ class LiveStream:
 
     stream_id: str
     log: StreamLog
-    generation: GenerationStream
+    generation: AdmittedGeneration
     task: asyncio.Task | None = None
     readers: int = 0
     # A failure before any output: the client that asked gets it as an HTTP
@@ -66,34 +72,28 @@ class LiveStream:
 class Streams:
     """The live generations of this edge, by stream id."""
 
-    def __init__(self, store: StreamStore, resume_seconds: float,
+    def __init__(self, cfg: EdgeConfig, store: StreamStore,
                  on_start: Callable[[], None] = lambda: None,
                  on_end: Callable[[LiveStream], None] = lambda live: None):
         self.store = store
-        self.resume_seconds = resume_seconds
+        self.resume_seconds = cfg.stream_resume_seconds
         self.on_start = on_start
         self.on_end = on_end
         self.live: dict[str, LiveStream] = {}
         store.on_cancel = lambda stream_id: self.cancel(stream_id, "cancelled on another "
                                                                    "edge replica")
 
-    def start(self, generation: GenerationStream, payloads: AsyncIterator[list[str]],
-              owner: str = "", step: Callable[[Chunk], list[str]] | None = None
+    def start(self, generation: AdmittedGeneration,
+              render: Callable[[Append], AsyncIterator[list[str]]], owner: str = ""
               ) -> LiveStream:
         """Run the generation in its own task; its events go to a new log that only
-        `owner` (a key id) may read or cancel. `payloads` renders the generation's
-        chunks; `step`, when given, is its step for one chunk, which the generation
-        may then take synchronously (GenerationStream.on_chunk: a steady output goes
-        to the log from the call that read it, no task woken for it)."""
+        `owner` (a key id) may read or cancel. `render(append)` gives the payload
+        batches of the generation's chunks; it may also hand `append` a batch itself,
+        synchronously (a steady output goes to the log from the call that read it,
+        no task woken for it: LegCall.chunks)."""
         sid = new_stream_id()
         live = LiveStream(sid, self.store.create(sid, owner), generation)
-        if step is not None:
-            append, log = self.store.append, live.log
-
-            def on_chunk(chunk: Chunk) -> None:
-                if out := step(chunk):
-                    append(log, out)
-            generation.on_chunk = on_chunk
+        payloads = render(functools.partial(self.store.append, live.log))
         live.task = asyncio.create_task(self._produce(live, payloads), name=f"stream-{sid}")
         # A task cancelled before its first step never runs its body: end it here then.
         live.task.add_done_callback(lambda task: self._ended(live))

@@ -25,6 +25,8 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from pdserve.config import EdgeConfig
+
 from . import openai_protocol as oai
 from .prompts import PromptEncoder
 
@@ -137,17 +139,16 @@ def _detokenize_body(encoder: PromptEncoder, body: dict, model_name: str
     return {"prompt": encoder.tokenizer.decode(encoder.check_ids(tokens, param="tokens"))}
 
 
-def handlers(encoder: PromptEncoder, model_name: str, max_model_len: int
-             ) -> tuple[Handler, Handler]:
-    """(tokenize, detokenize): aiohttp handlers over the edge's PromptEncoder. Their
-    APIErrors are left to the app's error middleware."""
+def handlers(encoder: PromptEncoder, cfg: EdgeConfig) -> tuple[Handler, Handler]:
+    """(tokenize, detokenize): aiohttp handlers over the edge's PromptEncoder, for the
+    model `cfg` serves. Their APIErrors are left to the app's error middleware."""
 
     async def tokenize(request: web.Request) -> web.Response:
         body = oai._load_object(await request.read())
-        return web.json_response(_tokenize_body(encoder, body, model_name, max_model_len))
+        return web.json_response(_tokenize_body(encoder, body, cfg.name, cfg.max_model_len))
 
     async def detokenize(request: web.Request) -> web.Response:
         body = oai._load_object(await request.read())
-        return web.json_response(_detokenize_body(encoder, body, model_name))
+        return web.json_response(_detokenize_body(encoder, body, cfg.name))
 
     return tokenize, detokenize

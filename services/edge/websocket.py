@@ -115,13 +115,13 @@ async def _serve(request: web.Request, ws: web.WebSocketResponse) -> None:
         else:
             kind: oai.Kind = "chat" if "messages" in first else "completion"
             body = {k: v for k, v in first.items() if k != "type"} | {"stream": True}
-            req, choices = await begin(request, kind, json.dumps(body).encode())
-            live = start_stream(request, req, choices)
+            req, runs, _ = await begin(request, kind, json.dumps(body).encode())
+            live = start_stream(request, req, runs)
             sid = live.stream_id
             reader = await streams.read(sid, 0, owner=live.owner)
-            lead = choices[0]
+            lead = runs[0].stream
             started = {"type": "stream", "stream_id": sid, "request_id": lead.gen.request_id,
-                       "worker": lead.decode_worker, "placement": lead.stats["placement"]}
+                       "worker": lead.decode_worker, "placement": lead.stats.placed.placement}
             if token := request.app[KEYS].stream_token(request[CALLER], sid):
                 started["stream_token"] = token          # GET /v1/streams/{id}?token=
             await ws.send_str(json.dumps(started))

@@ -199,7 +199,7 @@ def test_a_prefill_worker_killed_before_the_pull_costs_a_local_prefill_not_the_r
     from pdserve.rpc import channel
     from pdserve.v1 import common_pb2
     from services.edge.engine_requests import prefill_request
-    from services.edge.generation import DecodeLeg, fresh_lease
+    from services.edge.leg import DecodeLeg, fresh_lease
     from transfer.params import request_params_for_decode
 
     ids = AutoTokenizer.from_pretrained(model_dir).encode(CASES[0].payload["prompt"])
@@ -331,7 +331,7 @@ class _PoolUnderChaos:
 
 def test_chaos_loses_no_stream_while_workers_are_killed_and_stopped(pool):
     """`pdserve chaos` in short, on this stack (the command itself starts 2 prefill + 2
-    decode workers: full runs in docs/benchmarks.md): every accepted stream completes with
+    decode workers: full runs in bench/README.md): every accepted stream completes with
     its uninterrupted text, and no KV block or lease is left behind."""
     a = chaos.parser().parse_args(["--seed", "3", "--duration", "10", "--faults", "kill,stop",
                                    "--first-fault", "2", "--gap", "3",

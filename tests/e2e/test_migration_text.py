@@ -18,10 +18,10 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from transformers import AutoTokenizer
 
 from cases import CASES, MAX_TOKENS
-from pdserve.config import RouterConfig
+from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server, channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.edge.generation import Generation, Resilience
+from services.edge.generation import Generation
 from services.edge.orchestrator import Orchestrator
 from services.router.server import RouterService
 
@@ -50,6 +50,23 @@ class FailingDecode(vllm_engine_pb2_grpc.VllmEngineServicer):
         return await self.stub.Abort(request)
 
 
+def _edge_config(model_dir, router: Server, **faults) -> EdgeConfig:
+    """The edge's settings for an orchestrator of this test's own, on `router`
+    (per-request decode calls, as a stock worker gets)."""
+    return EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}",
+                      request_timeout_seconds=120, decode_calls="per-request", **faults)
+
+
+class _Slot:
+    """Admission's ticket, as a preempted stream uses it: `resume` is `readmit`."""
+
+    def __init__(self, readmit):
+        self.resume = readmit
+
+    def running(self) -> None:
+        pass
+
+
 @pytest.mark.parametrize("how", ["die", "stall"])
 async def test_a_moved_generation_keeps_its_text(stack, reference, model_dir, how):
     proxy = FailingDecode(stack.decode, chunks=5, how=how)
@@ -69,9 +86,8 @@ async def test_a_moved_generation_keeps_its_text(stack, reference, model_dir, ho
     await register("failing-decode", common_pb2.WORKER_ROLE_DECODE,
                    f"127.0.0.1:{proxy_server.port}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    orchestrator = Orchestrator(f"127.0.0.1:{router.port}", request_timeout=120,
-                                tokenizer=tokenizer,
-                                resilience=Resilience(stall_seconds=1.0))
+    orchestrator = Orchestrator(_edge_config(model_dir, router, decode_stall_seconds=1.0),
+                                tokenizer)
     case = next(c for c in CASES if c.kind == "completion")
     try:
         stream = await orchestrator.start(Generation(
@@ -88,7 +104,7 @@ async def test_a_moved_generation_keeps_its_text(stack, reference, model_dir, ho
         await router.stop(0)
         await proxy_server.stop(0)
         await proxy.channel.close()
-    assert stream.decode_worker == "decode" and len(stream.migrations) == 1
+    assert stream.decode_worker == "decode" and len(stream.stats.migrations) == 1
     assert stream.leg.prefill_params is not None        # the rest was prefilled remotely
     assert stream.completion_tokens == MAX_TOKENS
     assert text == reference[case.name]["text"]
@@ -107,31 +123,29 @@ async def test_a_preempted_generation_keeps_its_text(stack, reference, model_dir
         await service.Register(router_pb2.RegisterRequest(worker=router_pb2.WorkerInfo(
             worker_id=wid, role=role, address=address, model=stack.model, serving=True)), None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    orchestrator = Orchestrator(f"127.0.0.1:{router.port}", request_timeout=120,
-                                tokenizer=tokenizer, resilience=Resilience())
+    orchestrator = Orchestrator(_edge_config(model_dir, router), tokenizer)
     case = next(c for c in CASES if c.kind == "completion")
     readmitted = []
 
     async def readmit() -> None:                # as Ticket.resume: a slot frees later
         await asyncio.sleep(0.2)
-        readmitted.append(len(stream.output_ids))
+        readmitted.append(len(stream.output.ids))
     try:
         stream = await orchestrator.start(Generation(
             request_id="preempted", model=stack.model,
             prompt_token_ids=tokenizer.encode(case.payload["prompt"]),
             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                ignore_eos=True)))
-        stream.readmit = readmit
         chunks, asked = [], False
-        async for chunk in stream.chunks():
+        async for chunk in stream.chunks(_Slot(readmit)):
             chunks.append(chunk.text)
-            if len(stream.output_ids) >= 5 and not asked:
+            if len(stream.output.ids) >= 5 and not asked:
                 asked = True
                 assert stream.preempt() and not stream.preempt()    # once: it is pausing
     finally:
         await orchestrator.close()
         await router.stop(0)
     assert len(readmitted) == 1 and 5 <= readmitted[0] < MAX_TOKENS
-    assert len(stream.preemptions) == 1 and not stream.migrations
+    assert len(stream.stats.preemptions) == 1 and not stream.stats.migrations
     assert stream.completion_tokens == MAX_TOKENS
     assert "".join(chunks) == reference[case.name]["text"]

@@ -8,7 +8,7 @@ import contextlib
 from transformers import AutoTokenizer
 
 from cases import CASES, MAX_TOKENS
-from pdserve.config import RouterConfig
+from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.edge.generation import Generation
@@ -37,8 +37,9 @@ async def _orchestrator(stack, model_dir, prefills: list[tuple[str, str]]):
     prompt ids; both stopped on exit."""
     server = await _router(stack, prefills)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    orchestrator = Orchestrator(f"127.0.0.1:{server.port}", request_timeout=120,
-                                tokenizer=tokenizer)
+    orchestrator = Orchestrator(EdgeConfig(
+        model=str(model_dir), router=f"127.0.0.1:{server.port}", request_timeout_seconds=120,
+        decode_calls="per-request"), tokenizer)
     case = next(c for c in CASES if c.kind == "completion")
     try:
         yield orchestrator, case, tokenizer.encode(case.payload["prompt"])
@@ -59,7 +60,7 @@ async def test_unreachable_prefill_falls_back_to_local_prefill(stack, reference,
             ("dead-prefill-0", f"127.0.0.1:{free_port()}"),
             ("dead-prefill-1", f"127.0.0.1:{free_port()}")]) as (orchestrator, case, ids):
         stream = await orchestrator.start(_greedy(stack, "fallback-1", ids))
-        assert stream.path == "local" and stream.stats["prefill_fallback"]
+        assert stream.path == "local" and stream.stats.placed.prefill_fallback
         assert orchestrator.prefill_fallbacks == 1 and orchestrator.prefill_failovers == 1
         text = "".join([chunk.text async for chunk in stream.chunks()])
     assert text == reference[case.name]["text"]
@@ -75,7 +76,7 @@ async def test_a_dead_prefill_worker_fails_over_to_a_live_one(stack, reference, 
         for n in range(2):
             stream = await orchestrator.start(_greedy(stack, f"failover-{n}", ids))
             assert stream.path == "disaggregated"
-            assert stream.stats["prefill_worker"] == "real-prefill"
+            assert stream.stats.placed.prefill_worker == "real-prefill"
             text = "".join([chunk.text async for chunk in stream.chunks()])
             assert text == reference[case.name]["text"]
         assert orchestrator.prefill_failovers >= 1 and orchestrator.prefill_fallbacks == 0

@@ -19,7 +19,6 @@ from pdserve.v1 import inference_pb2_grpc
 from services.edge.app import ADMISSION, METRICS, STREAMS, build_app
 from services.edge.inference import InferenceService
 from services.edge.orchestrator import Orchestrator
-from services.edge.server import resilience
 from services.edge.prompts import PromptEncoder
 from services.edge.runner import EdgeRunner
 from services.router.local import LocalRouter
@@ -97,9 +96,7 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
     for _ in range(replicas):
         # embedded_router: the first edge places in its own process (`--router embedded`).
         local = LocalRouter(service) if embedded_router and not edges else None
-        orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer, resilience(cfg),
-                                    batched=cfg.decode_calls == "batched", batch_from=batch_from,
-                                    router=local)
+        orchestrator = Orchestrator(cfg, encoder.tokenizer, router=local, batch_from=batch_from)
         app = build_app(cfg, orchestrator, encoder,
                         router_metrics=service.metrics.registry if local else None)
         runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=2.0)

@@ -10,6 +10,7 @@ import time
 import aiohttp
 import pytest
 
+from pdserve.config import EdgeConfig
 from services.edge.admission import Admission, pool_capacity
 from services.edge.app import METRICS
 from services.edge.keys import PRIORITIES, APIKey
@@ -23,8 +24,13 @@ def key(tenant: str, priority: str = "normal") -> APIKey:
     return APIKey(key_id=tenant, tenant=tenant, priority=PRIORITIES[priority])
 
 
+def _cfg(queue: int, wait: float) -> EdgeConfig:
+    """An edge whose admission queues up to `queue` requests, each for up to `wait` s."""
+    return EdgeConfig(model="-", admission_queue=queue, admission_wait_seconds=wait)
+
+
 async def test_queued_requests_go_by_class_then_tenants_in_turn():
-    adm = Admission(max_queue=100, max_wait=5)
+    adm = Admission(_cfg(100, 5))
     adm.observe(1)                               # room for one request at a time
     first = await adm.admit(key("x"))
     order = []
@@ -47,7 +53,7 @@ async def test_queued_requests_go_by_class_then_tenants_in_turn():
 
 
 async def test_the_tenant_holding_fewer_slots_goes_first():
-    adm = Admission(max_queue=10, max_wait=5)
+    adm = Admission(_cfg(10, 5))
     adm.observe(2)
     held = [await adm.admit(key("a")) for _ in range(2)]         # a holds the pool
     order = []
@@ -71,7 +77,7 @@ async def test_the_tenant_holding_fewer_slots_goes_first():
 
 
 async def test_an_active_tenant_keeps_its_share_free_from_another_tenants_burst():
-    adm = Admission(max_queue=10, max_wait=5)
+    adm = Admission(_cfg(10, 5))
     adm.observe(4)
     (await adm.admit(key("b"))).release()          # b is active (asked just now)
     a = [await adm.admit(key("a")) for _ in range(2)]     # a's share: 2 of 4
@@ -95,7 +101,7 @@ async def test_a_tenant_below_its_share_on_average_takes_the_next_slot_for_a_pea
     import services.edge.admission as admission
     clock = [1000.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
-    adm = Admission(max_queue=10, max_wait=60)       # holds of 10 s: waits are long
+    adm = Admission(_cfg(10, 60))       # holds of 10 s: waits are long
     adm.observe(4)
     light = await adm.admit(key("steady"))          # steady: 1 slot for 10 s ...
     clock[0] += 5
@@ -137,7 +143,7 @@ async def test_a_light_tenants_peak_takes_a_slot_back_from_a_heavy_tenant(monkey
     from services.edge.metrics import EdgeMetrics
     clock = [1000.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
-    adm = Admission(max_queue=10, max_wait=60, metrics=EdgeMetrics())
+    adm = Admission(_cfg(10, 60), metrics=EdgeMetrics())
     adm.observe(4)
     # As in the test above: for 20 s steady held 1 slot at most, burst 2 (its share).
     light = await adm.admit(key("steady"))
@@ -178,7 +184,7 @@ async def test_a_burst_fills_a_share_its_owner_could_take_back(monkeypatch):
     import services.edge.admission as admission
     clock = [1000.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
-    adm = Admission(max_queue=10, max_wait=60)
+    adm = Admission(_cfg(10, 60))
     adm.observe(4)
     (await adm.admit(key("steady"))).release()          # steady: active, using nothing
     burst = [await adm.admit(key("burst")) for _ in range(2)]
@@ -204,7 +210,7 @@ async def test_no_slot_is_taken_back_from_a_tenant_alone_alike_or_ending(monkeyp
     import services.edge.admission as admission
     clock = [1000.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
-    adm = Admission(max_queue=10, max_wait=60)
+    adm = Admission(_cfg(10, 60))
     adm.observe(2)
     # One tenant: its own queued request never preempts its running ones.
     alone = [await adm.admit(key("a")) for _ in range(2)]
@@ -241,7 +247,7 @@ async def test_no_slot_is_taken_back_from_a_tenant_alone_alike_or_ending(monkeyp
 
 
 async def test_drain_lets_a_preempted_request_finish():
-    adm = Admission(max_queue=1, max_wait=5)
+    adm = Admission(_cfg(1, 5))
     adm.observe(1)
     ticket = await adm.admit(key("a"))
     adm._free(ticket.tenant, ticket.slot, held=False)       # as a preemption leaves it
@@ -318,7 +324,7 @@ async def test_a_tenant_owed_its_share_preempts_and_the_preempted_stream_goes_on
 
 
 async def test_room_is_the_capacity_less_our_requests_in_flight():
-    adm = Admission(max_queue=10, max_wait=5)
+    adm = Admission(_cfg(10, 5))
     adm.observe(4)
     mine = [await adm.admit(key("a")) for _ in range(3)]
     assert adm.room == 1
@@ -331,7 +337,7 @@ async def test_room_is_the_capacity_less_our_requests_in_flight():
 
 
 async def test_full_queue_and_long_wait_answer_503_quickly():
-    adm = Admission(max_queue=2, max_wait=0.2)
+    adm = Admission(_cfg(2, 0.2))
     adm.observe(0)
     waiting = [asyncio.create_task(adm.admit(key("a"))) for _ in range(2)]
     await asyncio.sleep(0)
@@ -348,7 +354,7 @@ async def test_full_queue_and_long_wait_answer_503_quickly():
 
 
 async def test_a_newcomer_expected_to_wait_too_long_is_refused_on_arrival():
-    adm = Admission(max_queue=10, max_wait=0.7)
+    adm = Admission(_cfg(10, 0.7))
     adm.observe(2)
     held = [await adm.admit(key("a")) for _ in range(2)]
     await asyncio.sleep(0.2)
@@ -381,7 +387,7 @@ async def test_a_newcomer_expected_to_wait_too_long_is_refused_on_arrival():
 
 
 async def test_a_tenant_past_its_share_expects_to_wait_for_its_own_slots():
-    adm = Admission(max_queue=10, max_wait=0.5)
+    adm = Admission(_cfg(10, 0.5))
     adm.observe(4)
     first = await adm.admit(key("a"))
     await asyncio.sleep(0.2)
@@ -401,7 +407,7 @@ async def test_a_tenant_past_its_share_expects_to_wait_for_its_own_slots():
 
 
 async def test_a_request_admitted_as_its_wait_runs_out_keeps_its_slot():
-    adm = Admission(max_queue=10, max_wait=0.05)
+    adm = Admission(_cfg(10, 0.05))
     adm.observe(1)
     held = await adm.admit(key("a"))
     loop = asyncio.get_running_loop()
@@ -416,7 +422,7 @@ async def test_a_request_admitted_as_its_wait_runs_out_keeps_its_slot():
 
 
 async def test_drain_refuses_the_queued_and_the_new_and_a_gone_caller_leaves_the_queue():
-    adm = Admission(max_queue=10, max_wait=5)
+    adm = Admission(_cfg(10, 5))
     adm.observe(0)
     gone = asyncio.create_task(adm.admit(key("a")))
     queued = asyncio.create_task(adm.admit(key("b")))
@@ -503,7 +509,7 @@ async def test_inference_grpc_gets_resource_exhausted_when_shed(model_dir):
 
 
 async def test_a_full_queue_makes_room_for_other_tenants_and_higher_classes():
-    adm = Admission(max_queue=4, max_wait=5)
+    adm = Admission(_cfg(4, 5))
     adm.observe(0)
     burst = [asyncio.create_task(adm.admit(key("burst"))) for _ in range(4)]
     await asyncio.sleep(0)
@@ -526,7 +532,7 @@ async def test_a_full_queue_makes_room_for_other_tenants_and_higher_classes():
 
 
 async def test_a_tenant_filling_the_pool_leaves_the_last_slot_to_another():
-    adm = Admission(max_queue=10, max_wait=5)
+    adm = Admission(_cfg(10, 5))
     adm.observe(4)
     await adm.admit(key("steady"))              # steady has been seen: two tenants share
     burst = [await adm.admit(key("burst")) for _ in range(2)]
@@ -545,7 +551,7 @@ def test_shares_summed_once_equal_each_tenants_own_sum():
     import random
     rng = random.Random(7)
     for _ in range(300):
-        adm = Admission(max_queue=10, max_wait=1)
+        adm = Admission(_cfg(10, 1))
         adm.observe(rng.choice([1, 2, 4, 7, 16]))
         tenants = [f"t{i}" for i in range(rng.randint(1, 6))]
         now = time.monotonic()
@@ -561,7 +567,7 @@ def test_shares_summed_once_equal_each_tenants_own_sum():
 
 
 async def test_other_edges_admitted_requests_take_room_here():
-    adm = Admission(max_queue=10, max_wait=5)
+    adm = Admission(_cfg(10, 5))
     adm.observe(4, elsewhere=3)                  # another replica holds 3 of 4
     mine = await adm.admit(key("a"))
     waiting = asyncio.create_task(adm.admit(key("a")))

@@ -51,7 +51,7 @@ async def test_concurrent_streams_share_one_call_and_its_messages(model_dir):
         # streams that coincide do too.
         assert batched.outputs == 40 * (30 + 1 + 1)
         assert batched.messages <= batched.outputs - 2 * 40, (batched.messages, batched.outputs)
-        # Outputs the call's reader takes itself (GenerationStream._steady) are counted
+        # Outputs the call's reader takes itself (LegCall._steady) are counted
         # as the stream's task counts them: a gap for every output after the first.
         itl = stack.metrics.itl.labels(stack.model, "local")
         assert sum(b.get() for b in itl._buckets) == 40 * 29

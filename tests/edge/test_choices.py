@@ -7,7 +7,7 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2
 
 from services.edge.choices import Choice, TokenText, _completion_top
-from services.edge.generation import Chunk
+from services.edge.output import Chunk
 from services.edge.prompts import PromptEncoder
 
 

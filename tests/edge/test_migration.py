@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import replace
 
 import aiohttp
 import pytest
 
-from services.edge.app import ORCH
 from support import assert_logged_in_order, parse_sse
 from synthetic_stack import edge_stack
 
@@ -117,10 +115,8 @@ async def test_the_only_decode_worker_takes_the_rest_once_its_exclusion_passes(
     (before, the exclusion was fixed when the wait began, and the stream failed when the
     wait ran out)."""
     async with edge_stack(model_dir, decode_calls=decode_calls,
-                          rate=50.0, engines=1, decode_stall_seconds=0.5) as stack:
-        orchestrator = stack.app[ORCH]
-        orchestrator.resilience = replace(orchestrator.resilience, exclude_seconds=1.0,
-                                          place_wait_seconds=8.0)
+                          rate=50.0, engines=1, decode_stall_seconds=0.5,
+                          decode_exclude_seconds=1.0, decode_place_wait_seconds=8.0) as stack:
 
         async def hiccup(i):
             stack.engines[i][0].freeze()
@@ -198,6 +194,6 @@ async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(
             return n
         read_talker = asyncio.create_task(read(talker))
         assert await read(late, pause_after=3) == 20
-        assert late.migrations == [] and late.finish_reason == "length"
+        assert late.stats.migrations == [] and late.finish_reason == "length"
         await read_talker
         # A worker silent on every leg is still left within the deadline (see the freeze test).

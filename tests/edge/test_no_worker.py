@@ -28,7 +28,7 @@ async def _edge(model_dir, service: RouterService, embedded: bool = False, **opt
     await router.start()
     cfg = EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}", **options)
     encoder = PromptEncoder(cfg.model)
-    orchestrator = Orchestrator(cfg.router, 30, encoder.tokenizer,
+    orchestrator = Orchestrator(cfg, encoder.tokenizer,
                                 router=LocalRouter(service) if embedded else None)
     runner = web.AppRunner(build_app(cfg, orchestrator, encoder))
     await runner.setup()

@@ -10,9 +10,13 @@ import asyncio
 import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 
+from pdserve.config import EdgeConfig
 from pdserve.v1 import common_pb2
 from services.edge.detokenizer import StopRule, TextStream
-from services.edge.generation import DecodeLeg, Generation, GenerationStream
+from services.edge.generation import Generation
+from services.edge.generation_stream import GenerationStream
+from services.edge.leg import DecodeLeg
+from services.edge.stats import GenerationStats, Placed
 
 EOS = 3
 PROMPT = [100, 200, 300, 400, 500]
@@ -66,9 +70,9 @@ def _stream(tokenizer, engine: _Engine, first_token: int | None, max_tokens: int
     gen = Generation("r1", "m", list(PROMPT), sampling, deadline=10**12)
     params = {"remote_block_ids": [[1]], "remote_num_tokens": len(PROMPT)}
     leg = DecodeLeg("r1", "decode-0", engine, params, first_token=first_token)
-    return GenerationStream(gen=gen, path="disaggregated", leg=leg, place=None,
-                            text=TextStream(tokenizer, list(PROMPT), StopRule(
-                                stop_token_ids=frozenset(stop_ids))))
+    text = TextStream(tokenizer, list(PROMPT), StopRule(stop_token_ids=frozenset(stop_ids)))
+    stats = GenerationStats(Placed("test", "test"), "disaggregated")
+    return GenerationStream(gen, leg, text, stats, EdgeConfig(model="-"))
 
 
 async def _chunks(stream: GenerationStream, engine: _Engine) -> list[tuple]:
@@ -88,9 +92,9 @@ async def test_the_prefills_token_goes_out_before_the_decode_answers(tokenizer):
     [req] = engine.requests
     assert list(req.tokenized.input_ids) == PROMPT + [10]   # it goes on after the token
     assert req.sampling_params.max_tokens == 3
-    assert stream.output_ids == [10, 11, 12, 13]
+    assert stream.output.ids == [10, 11, 12, 13]
     assert stream.path == "disaggregated" and stream.leg.pulled
-    assert stream.stats["prefill_first_token"]          # pdserve:prefill_first_tokens_total
+    assert stream.stats.prefill_first_token             # pdserve:prefill_first_tokens_total
 
 
 async def test_without_the_token_the_decode_engine_sends_the_first(tokenizer):
@@ -100,7 +104,7 @@ async def test_without_the_token_the_decode_engine_sends_the_first(tokenizer):
     assert got[0] == ([10], None, 1, 1)
     [req] = engine.requests
     assert list(req.tokenized.input_ids) == PROMPT and req.sampling_params.max_tokens == 4
-    assert "prefill_first_token" not in stream.stats
+    assert not stream.stats.prefill_first_token
 
 
 @pytest.mark.parametrize("first, max_tokens, reason", [
@@ -113,5 +117,5 @@ async def test_a_token_that_ends_the_generation_needs_no_decode(tokenizer, first
     stream = _stream(tokenizer, engine, first_token=first, max_tokens=max_tokens)
     got = await _chunks(stream, engine)
     assert [c[:2] for c in got] == [([first], None), ([], reason)]
-    assert engine.requests == [] and stream.output_ids == [first]
+    assert engine.requests == [] and stream.output.ids == [first]
     assert stream.finish_reason == reason

@@ -318,14 +318,16 @@ async def test_shutdown_closes_websockets_with_1001(stack):
 
 
 async def test_a_generation_cancelled_before_it_ran_still_ends_its_stream():
+    from pdserve.config import EdgeConfig
     from services.edge.stream_log import MemoryStreams
     from services.edge.streams import Streams
     ended = []
-    streams = Streams(MemoryStreams(), resume_seconds=1.0, on_end=ended.append)
+    cfg = EdgeConfig(model="-", stream_resume_seconds=1.0)
+    streams = Streams(cfg, MemoryStreams(cfg), on_end=ended.append)
 
     async def payloads():
         yield ['{"never": 1}']
-    live = streams.start(object(), payloads())
+    live = streams.start(object(), lambda append: payloads())
     assert streams.cancel(live.stream_id, "at once")
     await asyncio.sleep(0.01)
     assert ended == [live] and live.ended == "cancelled"
@@ -368,9 +370,16 @@ async def test_a_finished_generation_leaves_no_cycle_for_the_collector(stack):
     import gc
 
     from services.edge.admission import Ticket
+    from services.edge.admitted import AdmittedGeneration
     from services.edge.app import STREAMS
     from services.edge.events import Renderer
-    from services.edge.generation import GenerationStream
+    from services.edge.generation_stream import GenerationStream
+    from services.edge.leg import LegCall
+    from services.edge.moves import Mover
+    from services.edge.output import Output
+    from services.edge.stats import GenerationStats
+    kinds = (GenerationStream, Ticket, Renderer, AdmittedGeneration, LegCall, Mover, Output,
+             GenerationStats)
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
@@ -383,7 +392,7 @@ async def test_a_finished_generation_leaves_no_cycle_for_the_collector(stack):
             await stack.until(lambda: not stack.app[STREAMS].live)
         gc.collect()
         left = [type(o).__name__ for o in gc.garbage
-                if isinstance(o, (GenerationStream, Ticket, Renderer))]
+                if isinstance(o, kinds)]
         assert left == []
     finally:
         gc.set_debug(0)

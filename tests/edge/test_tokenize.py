@@ -13,6 +13,7 @@ from services.edge.app import _errors
 from services.edge.openai_protocol import parse_request
 from services.edge.prompts import PromptEncoder
 from services.edge.tokenize import handlers
+from pdserve.config import EdgeConfig
 
 MAX_MODEL_LEN = 2048
 CHAT = [{"role": "system", "content": "Be brief."},
@@ -33,7 +34,8 @@ def auto(model_dir):
 @pytest.fixture
 async def client(encoder, model_dir):
     """The two handlers on a bare app, behind the edge's own error middleware."""
-    tokenize, detokenize = handlers(encoder, str(model_dir), MAX_MODEL_LEN)
+    cfg = EdgeConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN)
+    tokenize, detokenize = handlers(encoder, cfg)
     app = web.Application(middlewares=[_errors])
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
