@@ -12,7 +12,7 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from pdserve.config import RouterConfig
+from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
 from services.edge.generation import Generation
@@ -65,7 +65,8 @@ async def _cluster(model_dir, prefill: _Engine, decode: _Engine):
         await service.Register(router_pb2.RegisterRequest(worker=router_pb2.WorkerInfo(
             worker_id=f"{role}-0", role=role, address=f"127.0.0.1:{server.port}", model="m",
             serving=True)), None)
-    orchestrator = Orchestrator("127.0.0.1:1", 30, PromptEncoder(str(model_dir)).tokenizer,
+    cfg = EdgeConfig(model=str(model_dir), router="127.0.0.1:1", decode_calls="per-request")
+    orchestrator = Orchestrator(cfg, PromptEncoder(str(model_dir)).tokenizer,
                                 router=LocalRouter(service))
     try:
         yield orchestrator, f"127.0.0.1:{servers[common_pb2.WORKER_ROLE_PREFILL].port}"
