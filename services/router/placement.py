@@ -41,6 +41,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from pdserve import native
 from pdserve.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
 
@@ -150,8 +151,8 @@ def _reason(code: int, policy: Policy, cached: int, uncached: int, prompt: int) 
 
 def py_decide(workers, stores, knobs, model, exclude, prompt_ids, prompt_tokens, block,
               session, now, timeout, horizon, index_now, ttl):
-    """The decision (the Python reference of `_placement.decide`, which runs where the
-    module was built). `workers`: every registered worker; `stores`: worker id -> its
+    """The decision (the Python reference of `_placement.decide`, which runs where
+    pdserve.native picks C). `workers`: every registered worker; `stores`: worker id -> its
     KeyStore (a store is made for a worker placed without one); `knobs`: `_knobs`;
     `exclude`: worker ids or None; `prompt_ids`: packed token ids; `prompt_tokens`: the
     prompt's length when no ids came; `block`: the engines' block size (0: unknown);
@@ -231,7 +232,5 @@ class _NoIndex:
 
 _NO_INDEX = _NoIndex()
 
-try:
-    from ._placement import decide as _decide
-except ImportError:             # not built: the reference runs (keystore.NATIVE)
-    _decide = py_decide
+_C = native.load("placement")
+_decide = py_decide if _C is None else _C.decide

@@ -11,9 +11,13 @@ from services.router import placement
 from services.router.keystore import PyKeyStore, packed
 from services.router.placement import Policy, _knobs, py_decide
 from services.router.registry import PENDING_SECONDS, PyWorker, WorkerEntry, name_hash
+from support import c_part
 
-native = pytest.importorskip("services.router._placement",
-                             reason="the C module was not built (no compiler)")
+
+@pytest.fixture
+def native():
+    """The C module, whichever implementation this process's router runs."""
+    return c_part("placement")
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
 BLOCK = 4
 
@@ -50,7 +54,7 @@ def _prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
     return head + [rng.randrange(0, 50) for _ in range(rng.randrange(0, 12))]
 
 
-def test_the_c_and_python_decisions_agree_over_random_states():
+def test_the_c_and_python_decisions_agree_over_random_states(native):
     rng = random.Random(7)
     prefixes = [[rng.randrange(0, 50) for _ in range(40)] for _ in range(4)]
     for trial in range(300):
@@ -101,7 +105,7 @@ def test_the_c_and_python_decisions_agree_over_random_states():
                 assert stores_c[w].match(probe, t) == stores_py[w].match(probe, t), trial
 
 
-def test_a_worker_keeps_its_load_and_seed_in_c_fields():
+def test_a_worker_keeps_its_load_and_seed_in_c_fields(native):
     entry = WorkerEntry(info=router_pb2.WorkerInfo(worker_id="d0", role=DECODE, model="m"),
                         last_seen=1.0)
     assert isinstance(entry, native.Worker)
@@ -121,7 +125,7 @@ def test_a_worker_keeps_its_load_and_seed_in_c_fields():
     assert entry.pending == 100 and entry.routed == 203
 
 
-def test_decide_refuses_a_broken_prompt_and_wrong_arguments():
+def test_decide_refuses_a_broken_prompt_and_wrong_arguments(native):
     knobs = _knobs(Policy())
     workers = (WorkerEntry(info=router_pb2.WorkerInfo(worker_id="d0", role=DECODE, model="m",
                                                       serving=True), last_seen=0.0),)
