@@ -19,7 +19,7 @@ CHOSEN = ("import json\n"
           "from services.edge import detokenizer\n"
           "print(json.dumps({'keys': keystore.KeyStore.__module__,\n"
           "                  'worker': registry.WorkerEntry.__mro__[1].__module__,\n"
-          "                  'decide': 'python' if placement._decide is placement.py_decide\n"
+          "                  'decide': 'python' if placement.decide is placement.py_decide\n"
           "                            else 'c',\n"
           "                  'bytes': detokenizer.ByteStream is not None}))\n")
 C = {"keys": "services.router._placement", "worker": "services.router._placement",

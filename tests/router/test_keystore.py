@@ -154,7 +154,7 @@ def test_with_pdserve_native_python_the_router_places_with_the_python_reference(
             "print(index.matched_blocks(keys, ['w', 'v']))\n"
             "from pdserve.v1 import router_pb2\n"
             "from services.router import placement, registry\n"
-            "assert placement._decide is placement.py_decide\n"
+            "assert placement.decide is placement.py_decide\n"
             "assert registry.Worker is registry.PyWorker\n"
             "reg = registry.WorkerRegistry(timeout=10)\n"
             "for w in ('v', 'w'):\n"
