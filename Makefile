@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml setup.py $(LOCK) scripts/install_lock.sh
 
 # The C parts (setup.py: the router's placement core, the edge's byte-level detokenizer),
 # rebuilt in place when their source changes; without a compiler the router runs the
-# Python reference and the edge the tokenizer's DecodeStream.
+# Python reference and the edge the tokenizer's DecodeStream (pdserve/native.py).
 $(NATIVE): $(STAMP) services/router/_placement.c services/edge/_bytetext.c
 	$(PY) setup.py -q build_ext --inplace
 	touch $(NATIVE)
@@ -36,9 +36,11 @@ run: $(STAMP) $(NATIVE)
 	$(VENV)/bin/pdserve up $(ARGS)
 
 # What the suite needs, made side by side (downloads and unpacking, mostly), then the suite.
+# PDSERVE_NATIVE=require: a C part that did not build fails the suite (every process it
+# starts inherits it) instead of passing on the Python reference unseen.
 test:
 	$(MAKE) --no-print-directory -j4 $(STAMP) $(NATIVE) check-proto system-deps clients
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	PDSERVE_NATIVE=require $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Clients written by others that tests/e2e/test_clients.py runs unmodified, each installed
 # where it cannot move .venv's pins (guidellm's click and multidict would): guidellm in its

@@ -3,7 +3,8 @@ and the edge's byte-level detokenizer (services/edge/_bytetext.c).
 
 Optional: where no C compiler is at hand the build goes on without them, and the
 router runs the same code in Python (keystore.py, registry.py, placement.py),
-the edge the tokenizer's own DecodeStream (detokenizer.py).
+the edge the tokenizer's own DecodeStream (detokenizer.py). pdserve/native.py
+chooses (PDSERVE_NATIVE=auto|python|require).
 """
 from setuptools import Extension, setup
 

@@ -387,6 +387,18 @@ def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
 GATEWAY_GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 
+# gRPC's C core logs INFO lines to stderr by default (`I1206 ... chttp2_transport.cc:1403]
+# ... Got goaway`, whenever a peer stops with calls open: every shutdown). They are no
+# operator's business; its errors still show. An operator's own GRPC_VERBOSITY (DEBUG, to
+# follow a call) is kept. Read once, when grpc is imported; children inherit it.
+GRPC_VERBOSITY = "ERROR"
+
+
+def _grpc_log_env() -> None:
+    """Before grpc is imported, in every pdserve process (`up`'s children inherit it)."""
+    os.environ.setdefault("GRPC_VERBOSITY", GRPC_VERBOSITY)
+
+
 def _gateway_grpc_env() -> None:
     """Before grpc is imported: gRPC reads its experiments once, at start-up."""
     os.environ.setdefault("GRPC_EXPERIMENTS", GATEWAY_GRPC_EXPERIMENTS)
@@ -455,6 +467,7 @@ def _config(a: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    _grpc_log_env()
     if argv[:1] == ["chaos"]:           # its flags are its own (argparse's REMAINDER
         from pdserve.chaos import main as chaos_main    # cannot start with an option)
         sys.exit(chaos_main(argv[1:]))

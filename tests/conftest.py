@@ -1,11 +1,17 @@
 """Fixtures shared across the suite."""
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+# As every pdserve process runs (pdserve.cli): gRPC's C core quiet but for errors, in
+# this process and the servers and workers tests start. Before anything imports grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from support import MODEL_DIR
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from support import MODEL_DIR  # noqa: E402
 
 
 @pytest.fixture(scope="session")

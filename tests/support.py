@@ -155,6 +155,21 @@ def stop_all(procs: list[Proc], timeout: float = 60) -> None:
     assert not late, "; ".join(late)
 
 
+def c_part(part: str):
+    """The C module of a native part (pdserve.native), for a test of its C path: one
+    not built fails the test under PDSERVE_NATIVE=require (`make test`), and is
+    skipped, saying why, otherwise."""
+    import pytest
+
+    from pdserve import native
+    try:
+        return native.c_module(part)
+    except native.NativeMissing as e:
+        if native.mode() == "require":
+            raise
+        pytest.skip(str(e))
+
+
 def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]
 

@@ -4,6 +4,8 @@
     pdserve bench compare [--quick] [--json]        P/D vs colocated, side by side
     pdserve bench gateways [--json]                 pdserve's edge vs SMG on the same workers
     pdserve bench router [--seeds N] [--json]       placement replayed on a chat trace (simulator)
+    pdserve bench placement [--rates R,R] [--json]  one decision's cost, C against Python, on 16
+                                                    workers of 10,000 cached prefixes each
     pdserve bench sessions [--json]                 multi-turn chat on 2 decode workers: pdserve
                                                     vs SMG cache_aware / consistent_hashing
     pdserve bench edge [--streams N] [--rate R]     N concurrent SSE streams: direct, through
@@ -24,8 +26,6 @@ from pathlib import Path
 
 from pdserve.config import RouterConfig
 
-from .slo import DEFAULT_MIXES, parse_slo
-
 
 def _serve(argv: list[str]) -> int:
     # vLLM's `vllm bench serve`, called as a module: the `vllm` console script
@@ -42,6 +42,8 @@ def _serve(argv: list[str]) -> int:
 
 def _compare_parser() -> argparse.ArgumentParser:
     from pdserve.cli import DEFAULT_MODEL_DIR
+
+    from .slo import DEFAULT_MIXES     # imports vLLM (3 s): only the commands that need it
     p = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
@@ -89,6 +91,7 @@ def _compare(argv: list[str]) -> int:
 
     from .compare import compare, write
     from .deployments import Hardware
+    from .slo import DEFAULT_MIXES, parse_slo
 
     a = _compare_parser().parse_args(argv)
     try:
@@ -226,6 +229,40 @@ def _router(argv: list[str]) -> int:
                                           for k in keys))
         for k, met in over["targets_met_by_seed"].items():
             print(f"  target {k}: met on {sum(met)} of {len(met)} seeds")
+    return 0
+
+
+def _placement(argv: list[str]) -> int:
+    from .placement import PlacementBench, compare, table
+
+    d = PlacementBench()
+    p = argparse.ArgumentParser(prog="pdserve bench placement",
+                                description="What one placement decision costs the router, "
+                                            "its C path against its Python one, on a large "
+                                            "state at offered rates (no engines; a minute).")
+    p.add_argument("--workers", type=int, default=d.workers, help="decode workers")
+    p.add_argument("--prefixes", type=int, default=d.prefixes,
+                   help="cached prompt prefixes each worker holds")
+    p.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks,
+                   help="blocks of one cached prefix")
+    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates),
+                   help="decisions offered per second, comma-separated")
+    p.add_argument("--seconds", type=float, default=d.seconds, help="at each rate")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        cfg = PlacementBench(workers=a.workers, prefixes=a.prefixes,
+                             prefix_blocks=a.prefix_blocks, prompt_tokens=a.prompt_tokens,
+                             rates=tuple(float(r) for r in a.rates.split(",")),
+                             seconds=a.seconds, seed=a.seed)
+    except ValueError as e:
+        print(f"pdserve bench placement: {e}", file=sys.stderr)
+        return 2
+    result = compare(cfg)
+    result["command"] = "pdserve bench placement " + shlex.join(argv)
+    print(json.dumps(result) if a.json else table(result))
     return 0
 
 
@@ -380,6 +417,8 @@ def main(argv: list[str]) -> int:
         return _compare(argv[1:])
     if argv[:1] == ["router"]:
         return _router(argv[1:])
+    if argv[:1] == ["placement"]:
+        return _placement(argv[1:])
     if argv[:1] == ["sessions"]:
         return _sessions(argv[1:])
     if argv[:1] == ["edge"]:

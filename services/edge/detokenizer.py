@@ -13,8 +13,9 @@ For byte-level BPE tokenizers (GPT-2's family: Llama 3, Qwen, this project's
 tiny model) the stream runs in C (`_bytetext.ByteStream`) from a table of each
 id's bytes, checked against the tokenizer's own decode when first built: the
 same text, piece by piece, as `DecodeStream`, which decodes its window of ids
-again at every token (~0.8 us per id here). Other tokenizers, and a build
-without a C compiler, use `DecodeStream`.
+again at every token (~0.8 us per id here). Other tokenizers, and a process
+that runs the Python (pdserve.native: not built, or PDSERVE_NATIVE=python), use
+`DecodeStream`.
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-try:
-    from ._bytetext import ByteStream
-except ImportError:                                  # built without a C compiler
-    ByteStream = None
+from pdserve import native
+
+_C = native.load("bytetext")
+ByteStream = None if _C is None else _C.ByteStream
 
 log = logging.getLogger("pdserve.edge")
 

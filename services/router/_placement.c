@@ -28,7 +28,8 @@
  *       a load report (.placed(now), .clear_pending(), .decay(now, horizon), .pending).
  *   decide(workers, stores, knobs, model, exclude, prompt, prompt_tokens, block,
  *          session, now, timeout, horizon, index_now, ttl)
- *       placement.py's decision over those (placement.py_decide documents it).
+ *       placement.py's decision over a placement.Query's fields, which c_decide
+ *       passes (placement.py_decide is the reference).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1001,7 +1002,7 @@ static PyMethodDef module_methods[] = {
     {"block_keys", block_keys, METH_VARARGS,
      "block_keys(token_ids, block_size, parent=0) -> bytes of the full blocks' uint64 keys"},
     {"decide", (PyCFunction)(void (*)(void))decide, METH_FASTCALL,
-     "decide(...): placement.place()'s decision, natively (placement._decide is the reference)"},
+     "decide(...): placement.place()'s decision, natively (placement.c_decide passes a Query)"},
     {NULL, NULL, 0, NULL},
 };
 

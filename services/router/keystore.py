@@ -10,7 +10,8 @@ wrong KV, because the engine matches its own hashes.
 
 Two implementations of `block_keys` and `KeyStore`: the C module `_placement`
 (built with the package; what a router runs) and the Python below (the reference,
-and what runs where no compiler built the module). The C one exists for the
+and what runs where no compiler built the module); pdserve.native picks one
+(PDSERVE_NATIVE), for registry.py and placement.py alike. The C one exists for the
 decision's latency: a router idle between requests meets them with cold caches,
 and there a dozen numpy calls and a hundred dict lookups cost 3-6x what they
 cost back to back (docs/design/2026-12-05-placement-in-c.md).
@@ -25,6 +26,8 @@ from collections import deque
 from typing import Sequence
 
 import numpy as np
+
+from pdserve import native
 
 ROOT = 0
 _MASK = (1 << 64) - 1
@@ -142,16 +145,14 @@ class PyKeyStore:
         return len(self._until)
 
 
-try:
-    from ._placement import KeyStore
-    from ._placement import block_keys as _c_block_keys
+_C = native.load("placement")
+NATIVE = _C is not None
+if NATIVE:
+    KeyStore = _C.KeyStore
 
     def block_keys(token_ids, block_size: int, parent: int = ROOT) -> memoryview:
         """Keys of the full blocks of `token_ids`, as uint64s (see py_block_keys)."""
-        return memoryview(_c_block_keys(token_ids, block_size, parent)).cast("Q")
-
-    NATIVE = True
-except ImportError:           # no compiler built the module: the reference runs
+        return memoryview(_C.block_keys(token_ids, block_size, parent)).cast("Q")
+else:
     KeyStore = PyKeyStore
     block_keys = py_block_keys
-    NATIVE = False

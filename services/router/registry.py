@@ -11,6 +11,7 @@ import math
 import time
 from collections import deque
 
+from pdserve import native
 from pdserve.v1 import common_pb2, router_pb2
 
 PENDING_SECONDS = 1.0
@@ -25,7 +26,7 @@ log = logging.getLogger("pdserve.router")
 
 class PyWorker:
     """A worker's load as the router accounts it: the Python reference of the C
-    `_placement.Worker` (what runs where the module was not built), and
+    `_placement.Worker` (what runs where pdserve.native picks the Python), and
     `WorkerEntry`'s base either way. Plain fields, so that a native decision reads
     them without Python."""
 
@@ -74,10 +75,8 @@ def name_hash(name: str) -> int:
     return h
 
 
-try:
-    from ._placement import Worker
-except ImportError:                 # not built: the reference runs (keystore.NATIVE)
-    Worker = PyWorker
+_C = native.load("placement")
+Worker = PyWorker if _C is None else _C.Worker
 
 
 class WorkerEntry(Worker):

@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import sys
 import time
 from typing import AsyncIterator, Callable
 
 from smg_grpc_proto.generated import common_pb2
+
+log = logging.getLogger(__name__)
 
 
 class LoadNudges:
@@ -52,21 +56,20 @@ class LoadNudges:
         nudged = asyncio.Event()
         self._streams.add(nudged)
         batches = aiter(batches)
-        nxt = asyncio.ensure_future(anext(batches))
+        nxt = asyncio.ensure_future(_next(batches))
         nudge = asyncio.ensure_future(nudged.wait())
         last: common_pb2.KvEventBatch | None = None
         try:
             while True:
                 await asyncio.wait((nxt, nudge), return_when=asyncio.FIRST_COMPLETED)
                 if nxt.done():
-                    try:
-                        batch = nxt.result()
-                    except StopAsyncIteration:
+                    batch = nxt.result()
+                    if batch is None:
                         return
                     if batch.HasField("load"):
                         last = batch
                     yield batch
-                    nxt = asyncio.ensure_future(anext(batches))
+                    nxt = asyncio.ensure_future(_next(batches))
                 if nudge.done():
                     nudged.clear()
                     nudge = asyncio.ensure_future(nudged.wait())
@@ -79,8 +82,22 @@ class LoadNudges:
             for task in (nxt, nudge):
                 task.cancel()
             await asyncio.wait((nxt,))            # the relay's read has stopped
+            error = None if nxt.cancelled() else nxt.exception()
+            if error is not None and error is not sys.exc_info()[1]:
+                log.warning("KV-event relay failed as its stream closed: %r", error)
             with contextlib.suppress(Exception):
                 await batches.aclose()
+
+
+async def _next(batches: AsyncIterator[common_pb2.KvEventBatch]
+                ) -> common_pb2.KvEventBatch | None:
+    """The relay's next batch, None once it has ended. vLLM's relay ends by returning
+    even when cancelled: a task around `anext` then ends in StopAsyncIteration that
+    nobody reads once the stream is closing (asyncio logs it, on every shutdown)."""
+    try:
+        return await anext(batches)
+    except StopAsyncIteration:
+        return None
 
 
 def _load_only(last, record, before_first: bool) -> common_pb2.KvEventBatch | None:

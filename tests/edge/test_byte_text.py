@@ -14,9 +14,13 @@ from tokenizers.decoders import DecodeStream
 
 from services.edge import detokenizer
 from services.edge.detokenizer import StopRule, TextStream, byte_table
+from support import c_part
 
-native = pytest.importorskip("services.edge._bytetext",
-                             reason="built without a C compiler (make .venv/.native)")
+
+@pytest.fixture
+def native():
+    """The C module, whichever implementation this process's edge runs."""
+    return c_part("bytetext")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def _decode_stream_pieces(rust, prompt, ids):
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_pieces_equal_decode_streams(rust, seed):
+def test_pieces_equal_decode_streams(rust, native, seed):
     rng = random.Random(seed)
     table = byte_table(rust)
     assert table is not None
@@ -67,7 +71,7 @@ def test_pieces_equal_decode_streams(rust, seed):
         assert stream.add(ids[a:b]) == "".join(pieces[a:b])
 
 
-def test_a_prompt_ending_inside_a_character_comes_out_with_its_completion(rust):
+def test_a_prompt_ending_inside_a_character_comes_out_with_its_completion(rust, native):
     euro = rust.encode("€", add_special_tokens=False).ids
     assert len(euro) > 1, "the test needs a character spelt in several tokens"
     prompt = rust.encode("ab", add_special_tokens=False).ids + euro[:1]
@@ -76,19 +80,18 @@ def test_a_prompt_ending_inside_a_character_comes_out_with_its_completion(rust):
     assert "".join(stream.add([i]) for i in rust.encode("x", add_special_tokens=False).ids)
 
 
-def test_text_stream_is_the_same_without_the_c_stream(rust, monkeypatch):
+def test_text_stream_is_the_same_in_c_and_in_python(rust, native, monkeypatch):
     from types import SimpleNamespace
     tok = SimpleNamespace(_tokenizer=rust)
     rng = random.Random(7)
     ids = _ids(rust, rng, 40)
     rule = StopRule(stop=("wö",), stop_token_ids=frozenset({1}))
 
-    def run():
+    def run(byte_stream):
+        monkeypatch.setattr(detokenizer, "ByteStream", byte_stream)
         ts = TextStream(tok, [], rule)
         return [ts.add(ids[i:i + 3]) for i in range(0, len(ids), 3)] + [ts.finish()]
-    fast = run()
-    monkeypatch.setattr(detokenizer, "ByteStream", None)
-    assert run() == fast
+    assert run(native.ByteStream) == run(None)
 
 
 def test_a_tokenizer_that_is_not_byte_level_gets_no_table():

@@ -12,9 +12,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.edge import detokenizer
 from services.edge.detokenizer import StopRule, TextStream
+from support import c_part
 
 EOS = 3
+
+
+@pytest.fixture(params=["c", "python"])
+def text_path(request, monkeypatch):
+    """Each way the edge renders text in turn: the C byte stream, the tokenizer's own."""
+    byte_stream = c_part("bytetext").ByteStream if request.param == "c" else None
+    monkeypatch.setattr(detokenizer, "ByteStream", byte_stream)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +63,7 @@ def _mine(tok, prompt, chunks, stop):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_text_pieces_equal_vllms_detokenizer(tokenizers, seed):
+def test_text_pieces_equal_vllms_detokenizer(tokenizers, text_path, seed):
     tok, vtok = tokenizers
     rng = random.Random(seed)
     text = rng.choice(["The quick brown fox, jumps over: the lazy dog. ", "日本語のテキスト ü ß €",

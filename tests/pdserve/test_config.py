@@ -184,6 +184,21 @@ def test_a_gateway_process_reads_grpc_sockets_on_its_poller_thread(monkeypatch, 
     assert os.environ["GRPC_EXPERIMENTS"] == expected
 
 
+@pytest.mark.parametrize("given,expected", [
+    (None, "ERROR"),                # gRPC's C core says nothing below an error
+    ("DEBUG", "DEBUG"),             # an operator's choice is kept
+])
+def test_every_pdserve_process_keeps_grpcs_c_core_quiet_unless_told(monkeypatch, given,
+                                                                    expected):
+    from pdserve.cli import _grpc_log_env
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    os.environ.pop("GRPC_VERBOSITY", None)
+    if given is not None:
+        os.environ["GRPC_VERBOSITY"] = given
+    _grpc_log_env()
+    assert os.environ["GRPC_VERBOSITY"] == expected
+
+
 @pytest.mark.parametrize("argv", [["edge", "--router", "embedded"], ["router"]])
 def test_grpc_is_not_imported_before_a_gateway_sets_its_experiments(argv):
     """gRPC reads GRPC_EXPERIMENTS once: the CLI must get as far as the command's

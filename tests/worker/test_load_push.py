@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 
 from smg_grpc_proto.generated import common_pb2
 
@@ -83,3 +84,32 @@ async def _reading(stream):
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+
+
+async def test_a_stream_cancelled_on_shutdown_leaves_no_task_with_an_unread_exception():
+    """vLLM's relay ends quietly when cancelled (it catches CancelledError and returns),
+    so the read it was in ends in StopAsyncIteration: the stream must take that in,
+    not leave asyncio to log "Task exception was never retrieved" when it is collected."""
+    async def batches():
+        try:
+            yield common_pb2.KvEventBatch(sequence_number=1)
+            await asyncio.sleep(30)
+            yield common_pb2.KvEventBatch(sequence_number=2)
+        except asyncio.CancelledError:
+            pass                          # as smg_grpc_servicer.kv_relay.relay does
+
+    loop = asyncio.get_running_loop()
+    unhandled = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    try:
+        stream = LoadNudges().stream(batches(), lambda rank: None)
+        async with _reading(stream) as got:
+            assert (await asyncio.wait_for(got.get(), 1)).sequence_number == 1
+            await asyncio.sleep(0.01)        # the relay's next read is pending
+        del stream
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(handler)
+    assert not unhandled, [c.get("message") for c in unhandled]
