@@ -113,7 +113,7 @@ async def test_a_prefill_answer_that_hands_no_kv_over_is_a_local_prefill(model_d
     prefill, decode = _Engine([7], answer), _Engine([8, 9])
     async with _cluster(model_dir, prefill, decode) as (orchestrator, _):
         stream = await orchestrator.start(_greedy("bad-1"))
-        assert stream.path == "local" and stream.stats["prefill_fallback"]
+        assert stream.path == "local" and stream.stats.placed.prefill_fallback
         assert orchestrator.prefill_fallbacks == 1
         assert [c.token_ids async for c in stream.chunks() if c.token_ids] == [[8], [9]]
     assert len(prefill.requests) == 1
