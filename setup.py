@@ -6,11 +6,18 @@ router runs the same code in Python (keystore.py, registry.py, placement.py),
 the edge the tokenizer's own DecodeStream (detokenizer.py). pdserve/native.py
 chooses (PDSERVE_NATIVE=auto|python|require).
 """
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
-setup(ext_modules=[
-    Extension("services.router._placement", ["services/router/_placement.c"],
+# One import namespace: the tree keeps services/ and transfer/ at the top, installed as
+# pdserve.services and pdserve.transfer (nothing else lands at site-packages' top level).
+MAPPED = {"pdserve.services": "services", "pdserve.transfer": "transfer"}
+packages = find_packages(include=["pdserve", "pdserve.*"])
+for name, folder in MAPPED.items():
+    packages += [name] + [f"{name}.{p}" for p in find_packages(folder)]
+
+setup(packages=packages, package_dir=MAPPED, ext_modules=[
+    Extension("pdserve.services.router._placement", ["services/router/_placement.c"],
               extra_compile_args=["-O2"], optional=True),
-    Extension("services.edge._bytetext", ["services/edge/_bytetext.c"],
+    Extension("pdserve.services.edge._bytetext", ["services/edge/_bytetext.c"],
               extra_compile_args=["-O2"], optional=True),
 ])

@@ -349,7 +349,7 @@ def _pin(cpus: str) -> None:
 
 def _engine_env(cfg: WorkerConfig, cpus: str) -> None:
     """vLLM and UCX read these from the process environment, before vllm is imported."""
-    from transfer.connector import engine_kv_env
+    from pdserve.transfer.connector import engine_kv_env
 
     env = engine_kv_env(cfg.kv)
     # An operator's UCX device (a pod's eth0, between pods) and address family win;
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     _grpc_log_env()
     if argv[:1] == ["chaos"]:           # its flags are its own (argparse's REMAINDER
-        from pdserve.chaos import main as chaos_main    # cannot start with an option)
+        from pdserve.bench.chaos import main as chaos_main    # cannot start with an option)
         sys.exit(chaos_main(argv[1:]))
     a = _parser().parse_args(argv)
     telemetry.configure_logging(a.command, a.log_level, a.log_format)
@@ -488,18 +488,18 @@ def main(argv: list[str] | None = None) -> None:
         _pin(a.cpus)
         _gateway_grpc_env()
         _tracing(a.command)
-        from services.router.server import serve
+        from pdserve.services.router.server import serve
         _run(serve(cfg))
     elif a.command in ("prefill", "decode"):
         _engine_env(cfg, a.cpus)
         _tracing(a.command)
-        from services.worker.main import serve_worker
+        from pdserve.services.worker.main import serve_worker
         _run(serve_worker(cfg))
     elif a.command == "edge":
         _pin(a.cpus)
         _gateway_grpc_env()
         _tracing(a.command)
-        from services.edge.server import serve
+        from pdserve.services.edge.server import serve
         _run(serve(cfg))
     elif a.command == "up":
         from pdserve.supervisor import run_stack

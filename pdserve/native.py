@@ -20,7 +20,8 @@ import os
 from types import ModuleType
 
 MODES = ("auto", "python", "require")
-PARTS = {"placement": "services.router._placement", "bytetext": "services.edge._bytetext"}
+PARTS = {"placement": "pdserve.services.router._placement",
+         "bytetext": "pdserve.services.edge._bytetext"}
 
 
 class NativeMissing(ImportError):

@@ -208,7 +208,7 @@ class CrashLoop(Exception):
 def _clean_up_after(proc: subprocess.Popen) -> None:
     """What a dead child leaves: the rest of its session (a worker's engine
     processes), and the socket file a worker's engine published KV events on."""
-    from services.worker.engine import kv_events_path
+    from pdserve.services.worker.engine import kv_events_path
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

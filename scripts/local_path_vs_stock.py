@@ -29,7 +29,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from pdserve.bench.deployments import Hardware, PdserveStack, StockVllm
 from pdserve.tiny_model import ensure_tiny_model
 from pdserve.v1 import common_pb2
-from services.edge.engine_requests import decode_request
+from pdserve.services.edge.engine_requests import decode_request
 
 
 def _timed(chunks) -> tuple[float, float]:

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from pdserve.tiny_model import synthetic_corpus
 from pdserve.v1 import common_pb2
-from services.edge.engine_requests import decode_request, prefill_request
+from pdserve.services.edge.engine_requests import decode_request, prefill_request
 
 
 def _decode(stub, rid: str, ids: list[int], sampling, params=None) -> tuple[float, float]:

@@ -23,7 +23,7 @@ from pdserve.netaddr import hostport, is_ipv6
 # prefill) because a consumer only pulls when a request asks it to.
 _ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # vLLM worker extension through which a worker reaches its engine's leases.
-LEASE_EXTENSION = "transfer.leases.WorkerLeases"
+LEASE_EXTENSION = "pdserve.transfer.leases.WorkerLeases"
 
 
 def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def engine_kv_config(role: str, cfg: KVTransferConfig) -> dict[str, Any]:
     return {
         # Both classes are pdserve's (transfer/vllm_nixl.py), named as vLLM names them.
         "kv_connector": "NixlPushConnector" if cfg.mode == "push" else "NixlConnector",
-        "kv_connector_module_path": "transfer.vllm_nixl",
+        "kv_connector_module_path": "pdserve.transfer.vllm_nixl",
         "kv_role": _ROLES[role],
         "kv_buffer_device": cfg.buffer_device,
         # A transfer that fails is recomputed on the decode worker, not failed.

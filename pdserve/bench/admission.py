@@ -8,7 +8,7 @@ keys file of two tenants, `steady` and `burst` (both `normal`):
   `--max-num-seqs` small, so that the decode pool's capacity is a few requests;
 - synthetic backend: `pdserve router` + `pdserve edge` in front of a synthetic
   engine (this module run as `python -m pdserve.bench.admission`: the clock
-  engine of `services/worker/synthetic.py` holding at most `capacity` streams at
+  engine of `pdserve/bench/synthetic.py` holding at most `capacity` streams at
   once, the rest waiting, as vLLM's scheduler does), so the flow runs in seconds;
   `--edges N` starts N edge replicas on the one router and sends them requests
   in turn (they share the pool through the router: services/router/edges.py).
@@ -142,7 +142,7 @@ async def _serve_engine(model: str, port: int, rate: float, capacity: int) -> No
 
     from pdserve.lifecycle import until_signalled
     from pdserve.rpc import Server
-    from services.worker.synthetic import SERVICE_NAMES, add_to_server
+    from pdserve.bench.synthetic import SERVICE_NAMES, add_to_server
 
     engine = _bounded_engine(AutoTokenizer.from_pretrained(model), model, rate, capacity)
     server = Server("127.0.0.1", port, lambda s: add_to_server(engine, s), SERVICE_NAMES)

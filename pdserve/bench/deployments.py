@@ -269,13 +269,6 @@ class PdserveStack:
         return [f"http://127.0.0.1:{self.ports['metrics'] + self.prefill_workers + i}/metrics"
                 for i in range(self.decode_workers)]
 
-    def worker_metrics(self) -> dict[str, str]:
-        """Every worker's metrics URL by its id (prefill-0, ..., decode-0, ...)."""
-        ids = ([f"prefill-{i}" for i in range(self.prefill_workers)]
-               + [f"decode-{i}" for i in range(self.decode_workers)])
-        return {w: f"http://127.0.0.1:{self.ports['metrics'] + k}/metrics"
-                for k, w in enumerate(ids)}
-
     @property
     def up_pid(self) -> int:
         """The `pdserve up` process (its children are the stack's services)."""

@@ -4,7 +4,7 @@ nginx's.
 
 One aiohttp process (uvloop, as the edge) answers `POST /v1/completions` with
 `stream: true`: it encodes the prompt, starts the generation on the source's worker
-through the edge's own shared `BatchedGenerate` call (`services.edge.batched`, every
+through the edge's own shared `BatchedGenerate` call (`pdserve.services.edge.batched`, every
 stream on it), turns each output's ids into text with the edge's detokenizer, and
 writes each piece as an HTTP chunk holding one SSE `data:` event, from the shared
 call's reader (the leg's sink), as the edge's pushed writer does. Nothing else: no
@@ -27,10 +27,10 @@ import grpc
 from aiohttp import web
 
 from pdserve.v1 import common_pb2
-from services.edge.batched import BatchedCalls
-from services.edge.detokenizer import StopRule, TextStream
-from services.edge.engine_requests import decode_request
-from services.edge.prompts import load_tokenizer
+from pdserve.services.edge.batched import BatchedCalls
+from pdserve.services.edge.detokenizer import StopRule, TextStream
+from pdserve.services.edge.engine_requests import decode_request
+from pdserve.services.edge.prompts import load_tokenizer
 
 log = logging.getLogger("pdserve.bench.edge_floor")
 

@@ -1,6 +1,6 @@
 """The token source of `pdserve bench edge`: one process, two faces, one clock.
 
-`services.worker.synthetic.SyntheticEngine` answers vLLM's engine gRPC protocol
+`pdserve.bench.synthetic.SyntheticEngine` answers vLLM's engine gRPC protocol
 (what the router and the edge dial); beside it, in the same process and event
 loop, an aiohttp server answers `POST /v1/completions` with `stream: true` as an
 OpenAI server would: `max_tokens` completion chunks at `--rate` per second per
@@ -23,8 +23,8 @@ import uuid
 
 from aiohttp import web
 
-from services.edge.detokenizer import byte_level_alphabet
-from services.worker.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server, stamp_text
+from pdserve.services.edge.detokenizer import byte_level_alphabet
+from pdserve.bench.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server, stamp_text
 
 log = logging.getLogger("pdserve.bench.edge_source")
 

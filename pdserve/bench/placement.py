@@ -80,7 +80,7 @@ def compare(cfg: PlacementBench) -> dict:
 
 def measure(cfg: PlacementBench) -> dict:
     """This process's implementation on `cfg`: {"native", "build_s", "keys", "rates"}."""
-    from services.router import keystore
+    from pdserve.services.router import keystore
 
     started = time.perf_counter()
     router, prompts = _build(cfg)
@@ -97,9 +97,9 @@ class _Router:
 
     def __init__(self, cfg: PlacementBench):
         from pdserve.v1 import common_pb2, router_pb2
-        from services.router.placement import Policy
-        from services.router.prefix_index import PrefixIndex
-        from services.router.registry import WorkerRegistry
+        from pdserve.services.router.placement import Policy
+        from pdserve.services.router.prefix_index import PrefixIndex
+        from pdserve.services.router.registry import WorkerRegistry
 
         self.registry = WorkerRegistry(timeout=1e12)
         self.index = PrefixIndex(cfg.block)
@@ -121,7 +121,7 @@ def _build(cfg: PlacementBench) -> tuple[_Router, list]:
     (session, packed prompt) each."""
     import numpy as np
 
-    from services.router.keystore import packed
+    from pdserve.services.router.keystore import packed
 
     rng, draw = random.Random(cfg.seed), np.random.default_rng(cfg.seed)
     router = _Router(cfg)
@@ -156,7 +156,7 @@ def _build(cfg: PlacementBench) -> tuple[_Router, list]:
 def _offered(router: _Router, requests: list, rate: float, seconds: float) -> dict:
     """`place()` at `rate` decisions/s for `seconds`: wall and CPU time per decision."""
     from pdserve.v1 import router_pb2
-    from services.router.placement import place
+    from pdserve.services.router.placement import place
 
     rng = random.Random(1)
     n = max(1, int(rate * seconds))

@@ -8,7 +8,7 @@ prompt is the whole history), a few shared system prompts with skewed
 popularity, bursts of arrivals, and twice a worker leaving (at 25% and 60% of
 the run) and a fresh one joining 10% later.
 
-Policies: `pdserve` is `services.router.placement.place` itself, fed what the
+Policies: `pdserve` is `pdserve.services.router.placement.place` itself, fed what the
 router gets live: the workers' stored/evicted block events, and their loads as
 they push them (services/worker/load_push.py: a record with every KV-event batch
 and the moment a request ends, so the router's view is current at each decision,
@@ -48,10 +48,10 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
-from services.router.keystore import block_keys, packed
-from services.router.placement import Policy, load_cap, place
-from services.router.prefix_index import PrefixIndex
-from services.router.registry import WorkerRegistry
+from pdserve.services.router.keystore import block_keys, packed
+from pdserve.services.router.placement import Policy, load_cap, place
+from pdserve.services.router.prefix_index import PrefixIndex
+from pdserve.services.router.registry import WorkerRegistry
 
 DECODE = common_pb2.WORKER_ROLE_DECODE
 

@@ -12,7 +12,7 @@ from typing import Any
 from smg_grpc_proto import vllm_engine_pb2
 
 from pdserve.v1 import common_pb2
-from transfer.params import (computed_tokens, encode, request_params_for_decode,
+from pdserve.transfer.params import (computed_tokens, encode, request_params_for_decode,
                              request_params_for_prefill)
 
 _INT32 = 2**31

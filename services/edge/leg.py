@@ -29,7 +29,7 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from pdserve import telemetry
 from pdserve.config import EdgeConfig
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
-from transfer.params import lease_id, lease_is_fresh
+from pdserve.transfer.params import lease_id, lease_is_fresh
 
 from .batched import BatchedLeg
 from .output import Chunk, Output

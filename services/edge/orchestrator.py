@@ -32,8 +32,8 @@ from pdserve import telemetry
 from pdserve.config import EdgeConfig
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, transfer_pb2, transfer_pb2_grpc
-from services.router.keystore import packed
-from transfer.params import REMOTE_BLOCK_IDS, check_prefill_answer, decode
+from pdserve.services.router.keystore import packed
+from pdserve.transfer.params import REMOTE_BLOCK_IDS, check_prefill_answer, decode
 
 from .batched import BATCH_FROM, BatchedCalls
 from .batched import SERVICE_NAME as BATCHED_SERVICE

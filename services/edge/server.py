@@ -10,8 +10,8 @@ from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 from pdserve.v1 import inference_pb2_grpc
-from services.router.local import LocalRouter
-from services.router.server import Router
+from pdserve.services.router.local import LocalRouter
+from pdserve.services.router.server import Router
 
 from .app import ADMISSION, STREAMS, build_app
 from .detokenizer import byte_table

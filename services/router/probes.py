@@ -40,7 +40,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2
-from transfer.params import CONTINUES_PREFILL
+from pdserve.transfer.params import CONTINUES_PREFILL
 
 from .prefix_index import PrefixIndex
 from .registry import ROLE_NAMES, WorkerEntry, WorkerRegistry

@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 
 from pdserve.config import EngineConfig, KVTransferConfig
-from transfer.connector import LEASE_EXTENSION, engine_kv_config
-from transfer.metrics import record_connector_stats
+from pdserve.transfer.connector import LEASE_EXTENSION, engine_kv_config
+from pdserve.transfer.metrics import record_connector_stats
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from opentelemetry import trace
 from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 
 from pdserve import genai, telemetry
-from transfer.claim import LeaseClaims
-from transfer.metrics import HANDOVER_SECONDS
-from transfer.params import (PREFILL_ADDRESS, REMOTE_BLOCK_IDS, MalformedParams, decode, encode,
+from pdserve.transfer.claim import LeaseClaims
+from pdserve.transfer.metrics import HANDOVER_SECONDS
+from pdserve.transfer.params import (PREFILL_ADDRESS, REMOTE_BLOCK_IDS, MalformedParams, decode, encode,
                              keeps_blocks, lease_id, pulls_blocks, with_lease_seconds)
 
 from .engine import VllmEngine

@@ -20,11 +20,11 @@ from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
-from transfer.connector import check_side_channel, continues_prefill
-from transfer.params import CONTINUES_PREFILL
-from transfer.service import SERVICE_NAME as LEASE_SERVICE
-from transfer.service import KVTransferService
-from transfer.service import add_to_server as add_lease_service
+from pdserve.transfer.connector import check_side_channel, continues_prefill
+from pdserve.transfer.params import CONTINUES_PREFILL
+from pdserve.transfer.service import SERVICE_NAME as LEASE_SERVICE
+from pdserve.transfer.service import KVTransferService
+from pdserve.transfer.service import add_to_server as add_lease_service
 
 from .batched import SERVICE_NAME as BATCHED_SERVICE
 from .batched import add_to_server as add_batched_generate

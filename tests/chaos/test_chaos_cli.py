@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve import chaos
+from pdserve.bench import chaos
 
 
 @pytest.mark.parametrize("argv", [["--faults", "kill,bogus"], ["--duration", "0"],

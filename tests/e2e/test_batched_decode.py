@@ -14,7 +14,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from cases import CASES, MAX_TOKENS
-from services.worker.batched import GENERATION_SPAN
+from pdserve.services.worker.batched import GENERATION_SPAN
 from support import metric_sum, parse_sse
 
 

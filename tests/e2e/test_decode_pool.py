@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from cases import CASES
-from pdserve import chaos
+from pdserve.bench import chaos
 from pdserve.bench.chat_turn import chat_turn
 from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
 
@@ -198,9 +198,9 @@ def test_a_prefill_worker_killed_before_the_pull_costs_a_local_prefill_not_the_r
     from engine_client import flush_prefix_cache, generate
     from pdserve.rpc import channel
     from pdserve.v1 import common_pb2
-    from services.edge.engine_requests import prefill_request
-    from services.edge.leg import DecodeLeg, fresh_lease
-    from transfer.params import request_params_for_decode
+    from pdserve.services.edge.engine_requests import prefill_request
+    from pdserve.services.edge.leg import DecodeLeg, fresh_lease
+    from pdserve.transfer.params import request_params_for_decode
 
     ids = AutoTokenizer.from_pretrained(model_dir).encode(CASES[0].payload["prompt"])
 

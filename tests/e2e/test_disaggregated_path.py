@@ -14,7 +14,7 @@ from cases import CASES, MAX_TOKENS, Case
 from support import metric_sum, parse_sse
 from engine_client import flush_prefix_cache, generate
 from smg_grpc_proto import vllm_engine_pb2_grpc
-from transfer.params import request_params_for_decode, request_params_for_prefill
+from pdserve.transfer.params import request_params_for_decode, request_params_for_prefill
 
 
 def _piece(case: Case, choice: dict) -> str:

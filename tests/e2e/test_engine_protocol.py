@@ -15,9 +15,9 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as pb_grpc
 
 from cases import CASES, MAX_TOKENS
 from engine_client import external_kv_tokens, flush_prefix_cache, generate
-from services.edge.openai_protocol import parse_request
-from services.edge.prompts import PromptEncoder
-from transfer.params import request_params_for_decode, request_params_for_prefill
+from pdserve.services.edge.openai_protocol import parse_request
+from pdserve.services.edge.prompts import PromptEncoder
+from pdserve.transfer.params import request_params_for_decode, request_params_for_prefill
 
 
 def _ids(model_dir, case) -> list[int]:

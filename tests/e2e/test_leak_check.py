@@ -1,4 +1,4 @@
-"""`python -m transfer.leak_check` against the running stack: requests cut off by the
+"""`python -m pdserve.bench.leak_check` against the running stack: requests cut off by the
 client at random moments leave no lease and no KV block behind."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from support import ROOT
 
 def test_cancelled_requests_leave_no_lease_and_no_block_behind(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "transfer.leak_check", "--requests", "24", "--concurrency", "4",
+        [sys.executable, "-m", "pdserve.bench.leak_check", "--requests", "24", "--concurrency", "4",
          "--cancel", "0.5", "--seed", "3", "--model", stack.model, "--url", stack.url,
          "--prefill", stack.prefill, "--prefill-metrics", stack.prefill_metrics,
          "--decode-metrics", stack.decode_metrics, "--json"],

@@ -15,7 +15,7 @@ from cases import CASES
 from engine_client import flush_prefix_cache, generate
 from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 from support import free_port, metric_sum
-from transfer.params import request_params_for_decode, request_params_for_prefill
+from pdserve.transfer.params import request_params_for_decode, request_params_for_prefill
 
 MAX_TOKENS = 12
 

@@ -21,9 +21,9 @@ from cases import CASES, MAX_TOKENS
 from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server, channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.edge.generation import Generation
-from services.edge.orchestrator import Orchestrator
-from services.router.server import RouterService
+from pdserve.services.edge.generation import Generation
+from pdserve.services.edge.orchestrator import Orchestrator
+from pdserve.services.router.server import RouterService
 
 
 class FailingDecode(vllm_engine_pb2_grpc.VllmEngineServicer):

@@ -17,7 +17,7 @@ from cases import CASES, MAX_TOKENS
 from pdserve.tiny_model import long_context_copy
 from support import (Proc, free_port, free_port_run, ipv6_loopback, metric_sum, parse_sse,
                      pdserve_cmd)
-from transfer.pull_vs_push import make_prompts, measure
+from pdserve.bench.pull_vs_push import make_prompts, measure
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_the_stack_on_ipv6_streams_over_ipv6_and_ipv4(push):
 
 def test_pull_vs_push_measures_both_stacks(push, stack):
     # The benchmark's measurement, on this module's push stack and the session's pull
-    # stack (`python -m transfer.pull_vs_push` starts stacks of its own, at 1k and 8k).
+    # stack (`python -m pdserve.bench.pull_vs_push` starts stacks of its own, at 1k and 8k).
     batches = make_prompts([300], requests=2, seed=7)
     for port, metrics in ((int(push["url"].rsplit(":", 1)[1]),
                            {"prefill": push["prefill_metrics"], "decode": push["decode_metrics"]}),

@@ -23,7 +23,7 @@ from cases import CASES, MAX_TOKENS
 from conftest import _wait_http
 from pdserve.config import KVTransferConfig
 from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd, stop_all
-from transfer.connector import engine_kv_config
+from pdserve.transfer.connector import engine_kv_config
 
 
 # vLLM's handshake listener thread dies on a taken side-channel port and the engine

@@ -1,4 +1,4 @@
-"""`python -m transfer.bench`: real NIXL transfers between two processes, checked
+"""`python -m pdserve.bench.kv_transfer`: real NIXL transfers between two processes, checked
 block by block, and the figures the contract names."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from support import ROOT
-from transfer.engine_run import histogram_quantile
-from transfer.layout import LAYOUTS
-from transfer.pair import Setting, measure
+from pdserve.bench.engine_run import histogram_quantile
+from pdserve.bench.kv_layout import LAYOUTS
+from pdserve.bench.kv_pair import Setting, measure
 
 
 def test_llama_8b_layout_is_128_kib_per_token():
@@ -38,7 +38,7 @@ def test_every_way_moves_the_blocks_where_they_belong():
 
 def test_bench_prints_the_contract_fields(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "transfer.bench", "--layout", "tiny", "--tokens", "1024,4096",
+        [sys.executable, "-m", "pdserve.bench.kv_transfer", "--layout", "tiny", "--tokens", "1024,4096",
          "--reps", "1", "--settings", "ucx-default,ucx-tcp", "--requests", "2",
          "--model", stack.model, "--url", stack.url, "--decode-metrics", stack.decode_metrics,
          "--json"],

@@ -16,15 +16,15 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
 from pdserve.v1 import inference_pb2_grpc
-from services.edge.app import ADMISSION, METRICS, STREAMS, build_app
-from services.edge.inference import InferenceService
-from services.edge.orchestrator import Orchestrator
-from services.edge.prompts import PromptEncoder
-from services.edge.runner import EdgeRunner
-from services.router.local import LocalRouter
-from services.router.registry import WorkerRegistry
-from services.router.server import Router
-from services.worker.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server
+from pdserve.services.edge.app import ADMISSION, METRICS, STREAMS, build_app
+from pdserve.services.edge.inference import InferenceService
+from pdserve.services.edge.orchestrator import Orchestrator
+from pdserve.services.edge.prompts import PromptEncoder
+from pdserve.services.edge.runner import EdgeRunner
+from pdserve.services.router.local import LocalRouter
+from pdserve.services.router.registry import WorkerRegistry
+from pdserve.services.router.server import Router
+from pdserve.bench.synthetic import SERVICE_NAMES, SyntheticEngine, add_to_server
 from support import free_port
 
 

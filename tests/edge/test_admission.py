@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 
 from pdserve.config import EdgeConfig
-from services.edge.admission import Admission, pool_capacity
-from services.edge.app import METRICS
-from services.edge.keys import PRIORITIES, APIKey
-from services.edge.openai_protocol import APIError
+from pdserve.services.edge.admission import Admission, pool_capacity
+from pdserve.services.edge.app import METRICS
+from pdserve.services.edge.keys import PRIORITIES, APIKey
+from pdserve.services.edge.openai_protocol import APIError
 from pdserve.v1 import common_pb2, router_pb2
 from support import parse_sse
 from synthetic_stack import edge_stack
@@ -98,7 +98,7 @@ async def test_an_active_tenant_keeps_its_share_free_from_another_tenants_burst(
 
 
 async def test_a_tenant_below_its_share_on_average_takes_the_next_slot_for_a_peak(monkeypatch):
-    import services.edge.admission as admission
+    import pdserve.services.edge.admission as admission
     clock = [1000.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
     adm = Admission(_cfg(10, 60))       # holds of 10 s: waits are long
@@ -139,8 +139,8 @@ def preemptible(ticket, answer: bool = True) -> list:
 
 
 async def test_a_light_tenants_peak_takes_a_slot_back_from_a_heavy_tenant(monkeypatch):
-    import services.edge.admission as admission
-    from services.edge.metrics import EdgeMetrics
+    import pdserve.services.edge.admission as admission
+    from pdserve.services.edge.metrics import EdgeMetrics
     clock = [1000.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
     adm = Admission(_cfg(10, 60), metrics=EdgeMetrics())
@@ -181,7 +181,7 @@ async def test_a_light_tenants_peak_takes_a_slot_back_from_a_heavy_tenant(monkey
 
 
 async def test_a_burst_fills_a_share_its_owner_could_take_back(monkeypatch):
-    import services.edge.admission as admission
+    import pdserve.services.edge.admission as admission
     clock = [1000.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
     adm = Admission(_cfg(10, 60))
@@ -207,7 +207,7 @@ async def test_a_burst_fills_a_share_its_owner_could_take_back(monkeypatch):
 
 
 async def test_no_slot_is_taken_back_from_a_tenant_alone_alike_or_ending(monkeypatch):
-    import services.edge.admission as admission
+    import pdserve.services.edge.admission as admission
     clock = [1000.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
     adm = Admission(_cfg(10, 60))
@@ -279,7 +279,7 @@ async def test_a_tenant_owed_its_share_preempts_and_the_preempted_stream_goes_on
     both while light is quiet; light's request takes one back at once, and heavy's
     preempted stream pauses, is admitted again and ends with every token, its new leg
     asking for the rest only."""
-    import services.edge.admission as admission
+    import pdserve.services.edge.admission as admission
     # Use averaged over 0.05 s, not 5: heavy is heavy at once. (The synthetic engine's
     # chunks are 4 token ids each, and a stream past its max_tokens in ids is never
     # preempted, so light must come early.)
@@ -579,7 +579,7 @@ async def test_other_edges_admitted_requests_take_room_here():
 
 
 def test_the_router_sums_the_other_edges_reports_and_forgets_a_silent_one(monkeypatch):
-    from services.router import edges
+    from pdserve.services.router import edges
     now = [100.0]
     monkeypatch.setattr(edges.time, "monotonic", lambda: now[0])
     reports = edges.EdgeReports()

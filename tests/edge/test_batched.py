@@ -12,7 +12,7 @@ import time
 
 import aiohttp
 
-from services.worker.synthetic import read_stamps
+from pdserve.bench.synthetic import read_stamps
 from support import assert_logged_in_order, parse_sse
 from synthetic_stack import edge_stack
 
@@ -129,7 +129,7 @@ async def test_a_leg_hands_outputs_to_its_sink_only_in_order():
     import grpc
     from smg_grpc_proto import vllm_engine_pb2
 
-    from services.edge.batched import BatchedLeg
+    from pdserve.services.edge.batched import BatchedLeg
 
     class Call:
         legs, aborted = {}, []
@@ -171,17 +171,16 @@ def test_a_small_receive_window_makes_a_lagging_reader_fewer_larger_messages(mod
     reading stops writing, and the outputs it makes meanwhile come in a few large
     messages once the edge reads again; with gRPC's own window it keeps writing a
     message per turn, and the edge pays a loop turn for each. Same outputs either way."""
-    import grpc
     from smg_grpc_proto import vllm_engine_pb2
 
     from pdserve.rpc import channel
     from pdserve.v1 import common_pb2
-    from services.edge.batched import BatchedCalls
-    from services.edge.engine_requests import decode_request
+    from pdserve.services.edge.batched import BatchedCalls
+    from pdserve.services.edge.engine_requests import decode_request
     from support import Proc, free_port
 
     port = free_port()
-    worker = Proc([sys.executable, "-m", "services.worker.synthetic", "--model", str(model_dir),
+    worker = Proc([sys.executable, "-m", "pdserve.bench.synthetic", "--model", str(model_dir),
                    "--port", str(port), "--rate", "200"], name="synthetic worker")
 
     async def lag(window: int) -> tuple[int, int]:

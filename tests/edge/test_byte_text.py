@@ -12,8 +12,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models
 from tokenizers.decoders import DecodeStream
 
-from services.edge import detokenizer
-from services.edge.detokenizer import StopRule, TextStream, byte_table
+from pdserve.services.edge import detokenizer
+from pdserve.services.edge.detokenizer import StopRule, TextStream, byte_table
 from support import c_part
 
 

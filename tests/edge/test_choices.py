@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from smg_grpc_proto import vllm_engine_pb2
 
-from services.edge.choices import Choice, TokenText, _completion_top
-from services.edge.output import Chunk
-from services.edge.prompts import PromptEncoder
+from pdserve.services.edge.choices import Choice, TokenText, _completion_top
+from pdserve.services.edge.output import Chunk
+from pdserve.services.edge.prompts import PromptEncoder
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +103,8 @@ def test_shapes_validate_against_the_openai_sdk_types(tokens):
 def test_each_choice_draws_with_the_next_seed_within_int64():
     """Choice i samples with seed + i (vLLM's children of an n > 1 request), wrapping
     inside the int64 the field holds."""
-    from services.edge.app import _sampling
-    from services.edge.openai_protocol import parse_request
+    from pdserve.services.edge.app import _sampling
+    from pdserve.services.edge.openai_protocol import parse_request
     req = parse_request("completion", b'{"model": "m", "prompt": "x", "n": 2, "seed": '
                         + str(2**63 - 1).encode() + b"}", {"m"})
     assert [_sampling(req, 5, i).seed for i in (0, 1)] == [2**63 - 1, -(2**63)]

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.edge import detokenizer
-from services.edge.detokenizer import StopRule, TextStream
+from pdserve.services.edge import detokenizer
+from pdserve.services.edge.detokenizer import StopRule, TextStream
 from support import c_part
 
 EOS = 3

@@ -15,7 +15,7 @@ from support import http_status, Proc, free_port, parse_sse, pdserve_cmd
 
 def test_sigterm_drains(model_dir):
     engine_port, router_port, edge_port = free_port(), free_port(), free_port()
-    procs = [Proc([sys.executable, "-m", "services.worker.synthetic", "--model", str(model_dir),
+    procs = [Proc([sys.executable, "-m", "pdserve.bench.synthetic", "--model", str(model_dir),
                    "--port", str(engine_port), "--rate", "20"], name="synthetic")]
     try:
         procs.append(Proc(pdserve_cmd("router", "--port", str(router_port), "--decode-worker",

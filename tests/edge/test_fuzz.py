@@ -19,7 +19,7 @@ import requests
 import schemathesis
 from hypothesis import strategies as st
 
-from services.edge.openapi import SPEC
+from pdserve.services.edge.openapi import SPEC
 from support import raw_exchange
 from synthetic_stack import edge_stack
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.worker.synthetic import read_stamps
+from pdserve.bench.synthetic import read_stamps
 from synthetic_stack import edge_stack
 
 

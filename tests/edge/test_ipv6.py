@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (:
 
 def test_an_edge_on_all_addresses_streams_from_an_engine_on_ipv6_loopback(model_dir):
     engine_port, router_port, edge_port = free_port(), free_port(), free_port()
-    procs = [Proc([sys.executable, "-m", "services.worker.synthetic", "--model", str(model_dir),
+    procs = [Proc([sys.executable, "-m", "pdserve.bench.synthetic", "--model", str(model_dir),
                    "--host", "::1", "--port", str(engine_port)], name="synthetic")]
     try:
         procs.append(Proc(pdserve_cmd("router", "--host", "::1", "--port", str(router_port),

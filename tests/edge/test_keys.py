@@ -12,7 +12,7 @@ import pytest
 import websockets
 
 from pdserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.edge.keys import KeyError_, KeyRing
+from pdserve.services.edge.keys import KeyError_, KeyRing
 from support import parse_sse
 from synthetic_stack import edge_stack
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from services.edge.metrics import _ITL_BUCKETS, observe_all
+from pdserve.services.edge.metrics import _ITL_BUCKETS, observe_all
 
 
 def _samples(registry: CollectorRegistry) -> dict:

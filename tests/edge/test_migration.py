@@ -171,8 +171,8 @@ async def test_a_stream_the_edge_reads_late_is_not_moved_while_its_worker_talks(
     longer than the stall deadline, on a worker whose other legs keep talking, is the
     edge's delay, not a stall: it must not be moved (or cut short)."""
     from pdserve.v1 import common_pb2
-    from services.edge.app import ORCH
-    from services.edge.generation import Generation
+    from pdserve.services.edge.app import ORCH
+    from pdserve.services.edge.generation import Generation
 
     async with edge_stack(model_dir, decode_calls=decode_calls,
                           rate=50.0, decode_stall_seconds=0.3) as stack:

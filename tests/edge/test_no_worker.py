@@ -11,11 +11,11 @@ from aiohttp import web
 from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.edge.app import build_app
-from services.edge.orchestrator import Orchestrator
-from services.edge.prompts import PromptEncoder
-from services.router.local import LocalRouter
-from services.router.server import RouterService
+from pdserve.services.edge.app import build_app
+from pdserve.services.edge.orchestrator import Orchestrator
+from pdserve.services.edge.prompts import PromptEncoder
+from pdserve.services.router.local import LocalRouter
+from pdserve.services.router.server import RouterService
 from support import free_port
 
 

@@ -1,4 +1,4 @@
-"""Tests for services.edge.openai_protocol: request validation and response shapes."""
+"""Tests for pdserve.services.edge.openai_protocol: request validation and response shapes."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from services.edge.events import payload
-from services.edge.sse import chunked_events, frame, plain_chunked_events, plain_frame
-from services.edge.stream_log import Event
-from services.edge.openai_protocol import (
+from pdserve.services.edge.events import payload
+from pdserve.services.edge.sse import chunked_events, frame, plain_chunked_events, plain_frame
+from pdserve.services.edge.stream_log import Event
+from pdserve.services.edge.openai_protocol import (
     APIError,
     CompletionRequest,
     SamplingOptions,

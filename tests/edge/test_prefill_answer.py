@@ -15,11 +15,11 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 from pdserve.config import EdgeConfig, RouterConfig
 from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
-from services.edge.generation import Generation
-from services.edge.orchestrator import Orchestrator
-from services.edge.prompts import PromptEncoder
-from services.router.local import LocalRouter
-from services.router.server import RouterService
+from pdserve.services.edge.generation import Generation
+from pdserve.services.edge.orchestrator import Orchestrator
+from pdserve.services.edge.prompts import PromptEncoder
+from pdserve.services.router.local import LocalRouter
+from pdserve.services.router.server import RouterService
 
 PROMPT = list(range(100, 140))
 PREFILL_BYTES = ('{"do_remote_decode": true, "do_remote_prefill": false, '

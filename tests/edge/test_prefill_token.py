@@ -12,11 +12,11 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 
 from pdserve.config import EdgeConfig
 from pdserve.v1 import common_pb2
-from services.edge.detokenizer import StopRule, TextStream
-from services.edge.generation import Generation
-from services.edge.generation_stream import GenerationStream
-from services.edge.leg import DecodeLeg
-from services.edge.stats import GenerationStats, Placed
+from pdserve.services.edge.detokenizer import StopRule, TextStream
+from pdserve.services.edge.generation import Generation
+from pdserve.services.edge.generation_stream import GenerationStream
+from pdserve.services.edge.leg import DecodeLeg
+from pdserve.services.edge.stats import GenerationStats, Placed
 
 EOS = 3
 PROMPT = [100, 200, 300, 400, 500]

@@ -7,8 +7,8 @@ import sys
 
 from transformers import AutoTokenizer
 
-from services.edge.openai_protocol import parse_request
-from services.edge.prompts import PromptEncoder
+from pdserve.services.edge.openai_protocol import parse_request
+from pdserve.services.edge.prompts import PromptEncoder
 
 CHATS = [
     [{"role": "user", "content": "hello there"}],
@@ -34,7 +34,7 @@ def test_the_edge_encodes_exactly_as_autotokenizer(model_dir):
 
 
 def test_the_edge_process_does_not_load_torch(model_dir):
-    code = ("import sys; from services.edge.prompts import PromptEncoder; "
+    code = ("import sys; from pdserve.services.edge.prompts import PromptEncoder; "
             f"PromptEncoder({str(model_dir)!r}); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)

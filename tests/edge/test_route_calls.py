@@ -10,8 +10,8 @@ from pdserve import telemetry
 from pdserve.config import RouterConfig
 from pdserve.rpc import Server, channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.edge.route_calls import RouteCalls
-from services.router.server import RouterService
+from pdserve.services.edge.route_calls import RouteCalls
+from pdserve.services.router.server import RouterService
 
 DECODE = common_pb2.WORKER_ROLE_DECODE
 

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from services.worker.synthetic import read_stamps
+from pdserve.bench.synthetic import read_stamps
 from support import parse_sse
 from synthetic_stack import edge_stack
 

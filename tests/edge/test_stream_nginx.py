@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from pdserve.bench.edge import nginx_conf
-from services.worker.synthetic import read_stamps
+from pdserve.bench.synthetic import read_stamps
 from support import Proc, free_port, parse_sse
 from synthetic_stack import edge_stack
 

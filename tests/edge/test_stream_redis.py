@@ -10,7 +10,7 @@ import shutil
 import aiohttp
 import pytest
 
-from services.worker.synthetic import read_stamps
+from pdserve.bench.synthetic import read_stamps
 from support import Proc, free_port
 from synthetic_stack import edge_stack
 from support import RESUMABLE, parse_sse

@@ -11,9 +11,9 @@ import socket
 import aiohttp
 import pytest
 
-from services.worker.synthetic import read_stamps
+from pdserve.bench.synthetic import read_stamps
 from support import RESUMABLE, parse_sse
-from services.edge.app import METRICS as METRICS_KEY
+from pdserve.services.edge.app import METRICS as METRICS_KEY
 from synthetic_stack import edge_stack
 
 
@@ -319,8 +319,8 @@ async def test_shutdown_closes_websockets_with_1001(stack):
 
 async def test_a_generation_cancelled_before_it_ran_still_ends_its_stream():
     from pdserve.config import EdgeConfig
-    from services.edge.stream_log import MemoryStreams
-    from services.edge.streams import Streams
+    from pdserve.services.edge.stream_log import MemoryStreams
+    from pdserve.services.edge.streams import Streams
     ended = []
     cfg = EdgeConfig(model="-", stream_resume_seconds=1.0)
     streams = Streams(cfg, MemoryStreams(cfg), on_end=ended.append)
@@ -338,7 +338,7 @@ async def test_a_generation_cancelled_before_it_ran_still_ends_its_stream():
 async def test_a_follower_keeps_one_place_whether_it_awaits_or_takes():
     """Awaited batches and take() advance the same place; the reader counts from its
     first read to its close; a reader that fell behind the bounded log is told."""
-    from services.edge.stream_log import EventsGone, StreamLog
+    from pdserve.services.edge.stream_log import EventsGone, StreamLog
     log, seen = StreamLog("str_x", max_events=4, ttl=1.0), []
     follower = log.follow(0)
     follower.on_open, follower.on_close = (lambda: seen.append("open"),
@@ -369,15 +369,15 @@ async def test_a_finished_generation_leaves_no_cycle_for_the_collector(stack):
     which stalled the edge's loop ~190 ms at the end of 1,000 streams."""
     import gc
 
-    from services.edge.admission import Ticket
-    from services.edge.admitted import AdmittedGeneration
-    from services.edge.app import STREAMS
-    from services.edge.events import Renderer
-    from services.edge.generation_stream import GenerationStream
-    from services.edge.leg import LegCall
-    from services.edge.moves import Mover
-    from services.edge.output import Output
-    from services.edge.stats import GenerationStats
+    from pdserve.services.edge.admission import Ticket
+    from pdserve.services.edge.admitted import AdmittedGeneration
+    from pdserve.services.edge.app import STREAMS
+    from pdserve.services.edge.events import Renderer
+    from pdserve.services.edge.generation_stream import GenerationStream
+    from pdserve.services.edge.leg import LegCall
+    from pdserve.services.edge.moves import Mover
+    from pdserve.services.edge.output import Output
+    from pdserve.services.edge.stats import GenerationStats
     kinds = (GenerationStream, Ticket, Renderer, AdmittedGeneration, LegCall, Mover, Output,
              GenerationStats)
     gc.collect()

@@ -9,10 +9,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import AutoTokenizer
 
-from services.edge.app import _errors
-from services.edge.openai_protocol import parse_request
-from services.edge.prompts import PromptEncoder
-from services.edge.tokenize import handlers
+from pdserve.services.edge.app import _errors
+from pdserve.services.edge.openai_protocol import parse_request
+from pdserve.services.edge.prompts import PromptEncoder
+from pdserve.services.edge.tokenize import handlers
 from pdserve.config import EdgeConfig
 
 MAX_MODEL_LEN = 2048

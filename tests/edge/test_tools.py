@@ -1,4 +1,4 @@
-"""Tests for services.edge.tools and services.edge.tool_parsers: tool requests,
+"""Tests for pdserve.services.edge.tools and pdserve.services.edge.tool_parsers: tool requests,
 forcing schemas, tool turns in messages, and model output turned into calls,
 streamed and whole."""
 
@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from services.edge.openai_protocol import APIError
-from services.edge.tool_parsers import (
+from pdserve.services.edge.openai_protocol import APIError
+from pdserve.services.edge.tool_parsers import (
     PARSERS,
     HermesParser,
     Llama3JsonParser,
@@ -21,7 +21,7 @@ from services.edge.tool_parsers import (
     collect,
     parser_for,
 )
-from services.edge.tools import (
+from pdserve.services.edge.tools import (
     ToolRequest,
     check_parser,
     finish_reason,

@@ -10,7 +10,7 @@ import time
 import pytest
 import websockets
 
-from services.worker.synthetic import read_stamps
+from pdserve.bench.synthetic import read_stamps
 from synthetic_stack import edge_stack
 from support import parse_sse
 from test_streams import text_of

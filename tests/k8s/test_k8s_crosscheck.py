@@ -18,7 +18,7 @@ from k8s_manifests import (
     render,
 )
 
-from services.edge.openapi import SPEC
+from pdserve.services.edge.openapi import SPEC
 
 SERVING = ("edge", "router", "prefill", "decode")
 

@@ -122,12 +122,12 @@ def test_a_worker_binds_its_nixl_side_channel_to_the_address_it_advertises():
 
 def test_the_transfer_mode_picks_vllms_connector_by_name_from_pdserves_module():
     from pdserve.cli import _config, _parser
-    from transfer.connector import engine_kv_config
+    from pdserve.transfer.connector import engine_kv_config
     for mode, name in (("pull", "NixlConnector"), ("push", "NixlPushConnector")):
         cfg = _config(_parser().parse_args(["decode", "--kv-transfer-mode", mode]))
         kv = engine_kv_config("decode", cfg.kv)
         assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (name,
-                                                                          "transfer.vllm_nixl")
+                                                                          "pdserve.transfer.vllm_nixl")
     assert _config(_parser().parse_args(["prefill"])).kv.mode == "pull"
 
 
@@ -136,7 +136,7 @@ def test_only_a_pull_decode_worker_goes_on_after_the_prefills_token():
     decode side caps its load at what the prefill computed; the push connector writes
     into blocks sized for the prompt alone, and a prefill worker decodes nothing."""
     from pdserve.cli import _config, _parser
-    from transfer.connector import continues_prefill
+    from pdserve.transfer.connector import continues_prefill
     got = {(role, mode): continues_prefill(role, _config(_parser().parse_args(
         [role, "--kv-transfer-mode", mode])).kv)
         for role in ("prefill", "decode") for mode in ("pull", "push")}
@@ -218,7 +218,7 @@ def test_a_worker_refuses_a_side_channel_port_another_process_listens_on():
     hangs; the worker checks first and names the port."""
     import socket
     from support import free_port
-    from transfer.connector import check_side_channel
+    from pdserve.transfer.connector import check_side_channel
     port = free_port()
     check_side_channel(KVTransferConfig(side_channel_port=port))      # free: no error
     with socket.socket() as held:
@@ -231,7 +231,7 @@ def test_a_worker_refuses_a_side_channel_port_another_process_listens_on():
 def test_an_ipv6_side_channel_port_is_checked_on_ipv6():
     import socket
     from support import free_port, ipv6_loopback
-    from transfer.connector import check_side_channel
+    from pdserve.transfer.connector import check_side_channel
     if not ipv6_loopback():
         pytest.skip("no IPv6 loopback (::1) on this machine")
     port = free_port()
@@ -257,7 +257,7 @@ def test_an_ipv6_worker_advertises_brackets_and_binds_bare():
 
 
 def test_an_ipv6_side_channel_moves_the_blocks_over_ipv6_too():
-    from transfer.connector import engine_kv_env
+    from pdserve.transfer.connector import engine_kv_env
     v6 = engine_kv_env(KVTransferConfig(side_channel_host="::1"))
     assert (v6["VLLM_NIXL_SIDE_CHANNEL_HOST"], v6["UCX_TCP_AF_PRIO"]) == ("::1", "inet6,inet")
     assert engine_kv_env(KVTransferConfig())["UCX_TCP_AF_PRIO"] == "inet,inet6"   # UCX's own

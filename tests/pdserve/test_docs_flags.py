@@ -93,7 +93,8 @@ def _parser_of(run, argv=()) -> argparse.ArgumentParser:
 
 def commands() -> dict[str, argparse.ArgumentParser]:
     """Every `pdserve` command's parser, by its name (`pdserve` for the global flags)."""
-    from pdserve import chaos, cli
+    from pdserve import cli
+    from pdserve.bench import chaos
     from pdserve.bench import cli as bench
 
     main = cli._parser()

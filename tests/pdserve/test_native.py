@@ -15,16 +15,16 @@ from support import c_part
 
 # What a router and an edge run, as each module that can run either has chosen it.
 CHOSEN = ("import json\n"
-          "from services.router import keystore, placement, registry\n"
-          "from services.edge import detokenizer\n"
+          "from pdserve.services.router import keystore, placement, registry\n"
+          "from pdserve.services.edge import detokenizer\n"
           "print(json.dumps({'keys': keystore.KeyStore.__module__,\n"
           "                  'worker': registry.WorkerEntry.__mro__[1].__module__,\n"
           "                  'decide': 'python' if placement.decide is placement.py_decide\n"
           "                            else 'c',\n"
           "                  'bytes': detokenizer.ByteStream is not None}))\n")
-C = {"keys": "services.router._placement", "worker": "services.router._placement",
+C = {"keys": "pdserve.services.router._placement", "worker": "pdserve.services.router._placement",
      "decide": "c", "bytes": True}
-PYTHON = {"keys": "services.router.keystore", "worker": "services.router.registry",
+PYTHON = {"keys": "pdserve.services.router.keystore", "worker": "pdserve.services.router.registry",
           "decide": "python", "bytes": False}
 
 
@@ -53,8 +53,8 @@ def test_auto_runs_the_python_where_a_part_is_not_built():
     assert json.loads(out.stdout) == PYTHON
 
 
-@pytest.mark.parametrize("part,module", [("placement", "services.router.keystore"),
-                                         ("bytetext", "services.edge.detokenizer")])
+@pytest.mark.parametrize("part,module", [("placement", "pdserve.services.router.keystore"),
+                                         ("bytetext", "pdserve.services.edge.detokenizer")])
 def test_require_fails_the_import_of_a_part_that_is_not_built_saying_what_to_do(part, module):
     out = _run(f"import {module}", "require", hide=(native.PARTS[part],))
     assert out.returncode != 0

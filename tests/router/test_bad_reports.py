@@ -8,8 +8,8 @@ import math
 import pytest
 
 from pdserve.v1 import common_pb2, router_pb2
-from services.router.placement import Policy, place
-from services.router.registry import LOAD_LIMIT, WorkerRegistry
+from pdserve.services.router.placement import Policy, place
+from pdserve.services.router.registry import LOAD_LIMIT, WorkerRegistry
 
 DECODE = common_pb2.WORKER_ROLE_DECODE
 

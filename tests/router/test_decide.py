@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from pdserve.v1 import common_pb2, router_pb2
-from services.router import placement
-from services.router.keystore import PyKeyStore, packed
-from services.router.placement import Policy, Query, py_decide
-from services.router.registry import PENDING_SECONDS, PyWorker, name_hash
+from pdserve.services.router import placement
+from pdserve.services.router.keystore import PyKeyStore, packed
+from pdserve.services.router.placement import Policy, Query, py_decide
+from pdserve.services.router.registry import PENDING_SECONDS, PyWorker, name_hash
 from support import c_part
 
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE

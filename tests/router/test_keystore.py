@@ -9,8 +9,8 @@ import pytest
 
 from pdserve import native
 from pdserve.v1 import router_pb2
-from services.router import keystore
-from services.router.keystore import PyKeyStore, py_block_keys
+from pdserve.services.router import keystore
+from pdserve.services.router.keystore import PyKeyStore, py_block_keys
 from support import c_part
 
 
@@ -53,7 +53,7 @@ def test_block_keys_equal_the_reference_for_every_kind_of_token_list(impl, block
 def test_block_keys_go_on_from_a_parent_key_as_the_chain_does(impl):
     """Blocks stored after a known block (a KV event's parent) key from its key."""
     block_keys, _ = impl
-    from services.router.keystore import chain, content_hash
+    from pdserve.services.router.keystore import chain, content_hash
     rng = random.Random(3)
     ids = [rng.randrange(0, 1 << 32) for _ in range(16 * 5)]
     for parent in (0, 1, rng.getrandbits(64), (1 << 64) - 1):
@@ -144,16 +144,16 @@ def test_with_pdserve_native_python_the_router_places_with_the_python_reference(
     import subprocess
     import sys
     code = ("import sys\n"
-            + ("sys.modules['services.router._placement'] = None\n" if hidden else "")
-            + "from services.router import keystore\n"
-            "from services.router.prefix_index import PrefixIndex\n"
+            + ("sys.modules['pdserve.services.router._placement'] = None\n" if hidden else "")
+            + "from pdserve.services.router import keystore\n"
+            "from pdserve.services.router.prefix_index import PrefixIndex\n"
             "assert not keystore.NATIVE and keystore.KeyStore is keystore.PyKeyStore\n"
             "index = PrefixIndex(4)\n"
             "index.stored('w', None, [(1, [1, 2, 3, 4]), (2, [5, 6, 7, 8])])\n"
             "keys = keystore.block_keys(list(range(1, 11)), 4)\n"
             "print(index.matched_blocks(keys, ['w', 'v']))\n"
             "from pdserve.v1 import router_pb2\n"
-            "from services.router import placement, registry\n"
+            "from pdserve.services.router import placement, registry\n"
             "assert placement.decide is placement.py_decide\n"
             "assert registry.Worker is registry.PyWorker\n"
             "reg = registry.WorkerRegistry(timeout=10)\n"

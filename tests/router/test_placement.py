@@ -4,10 +4,10 @@ from __future__ import annotations
 import random
 
 from pdserve.v1 import common_pb2, router_pb2
-from services.router.keystore import ROOT, block_keys, chain, content_hash, packed, unpacked
-from services.router.placement import Policy, load, place
-from services.router.prefix_index import PrefixIndex
-from services.router.registry import WorkerRegistry
+from pdserve.services.router.keystore import ROOT, block_keys, chain, content_hash, packed, unpacked
+from pdserve.services.router.placement import Policy, load, place
+from pdserve.services.router.prefix_index import PrefixIndex
+from pdserve.services.router.registry import WorkerRegistry
 
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
 BLOCK = 4

@@ -13,11 +13,11 @@ from smg_grpc_proto.generated import common_pb2 as common_pb2_smg
 from pdserve.config import RouterConfig
 from pdserve.rpc import Server, channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.router.placement import Policy, place
-from services.router.registry import WorkerRegistry
-from services.router.server import RouterService
-from services.router.keystore import block_keys
-from services.router.probes import MIN_ROUND_SECONDS, EngineProbes
+from pdserve.services.router.placement import Policy, place
+from pdserve.services.router.registry import WorkerRegistry
+from pdserve.services.router.server import RouterService
+from pdserve.services.router.keystore import block_keys
+from pdserve.services.router.probes import MIN_ROUND_SECONDS, EngineProbes
 
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
 
@@ -194,7 +194,7 @@ async def test_static_workers_are_probed_into_the_registry_and_age_out():
 async def test_a_static_decode_worker_says_by_health_whether_it_goes_on_after_a_prefill():
     """pdserve's pull decode workers answer SERVING for CONTINUES_PREFILL; a stock
     engine knows no such name: only the first is offered the prefill's token."""
-    from transfer.params import CONTINUES_PREFILL
+    from pdserve.transfer.params import CONTINUES_PREFILL
     servers = [await _engine_server(FakeEngine(), ["vllm.grpc.engine.VllmEngine", *names])
                for names in ([CONTINUES_PREFILL], [])]
     registry = WorkerRegistry(timeout=6.0)

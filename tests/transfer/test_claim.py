@@ -3,8 +3,8 @@ gateway vouches for (its first use of a lease, well within the lease)."""
 from __future__ import annotations
 
 from support import free_port
-from transfer.claim import LeaseClaims
-from transfer.params import (FRESH_LEASE, LEASE_SECONDS, PREFILL_ADDRESS, lease_is_fresh,
+from pdserve.transfer.claim import LeaseClaims
+from pdserve.transfer.params import (FRESH_LEASE, LEASE_SECONDS, PREFILL_ADDRESS, lease_is_fresh,
                             request_params_for_decode)
 
 
@@ -47,7 +47,7 @@ class _Channel:
 def test_the_edge_vouches_for_a_young_lease_only_while_its_prefill_worker_is_connected():
     import grpc
 
-    from services.edge.leg import DecodeLeg, fresh_lease
+    from pdserve.services.edge.leg import DecodeLeg, fresh_lease
     params = {"do_remote_decode": True, "remote_request_id": "r-1", LEASE_SECONDS: 6}
     ready = _Channel(grpc.ChannelConnectivity.READY)
     leg = DecodeLeg("r", "decode-0", None, params, "127.0.0.1:1", None, 100.0, ready)

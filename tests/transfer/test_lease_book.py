@@ -2,7 +2,7 @@
 engine-backed path is in tests/e2e/test_leases.py)."""
 from __future__ import annotations
 
-from transfer.leases import Leases
+from pdserve.transfer.leases import Leases
 
 
 class _Worker:

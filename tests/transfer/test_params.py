@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.params import (CONTINUES_PREFILL, FRESH_LEASE, LEASE_SECONDS, PREFILL_ADDRESS,
+from pdserve.transfer.params import (CONTINUES_PREFILL, FRESH_LEASE, LEASE_SECONDS, PREFILL_ADDRESS,
                              MalformedParams, check_prefill_answer, computed_tokens, decode,
                              encode, keeps_blocks, lease_id, lease_is_fresh, pulls_blocks,
                              request_params_for_decode, request_params_for_prefill,

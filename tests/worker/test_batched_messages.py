@@ -3,7 +3,7 @@ behind finds many waiting: one message of them all once went over the 4 MiB limi
 from __future__ import annotations
 
 from pdserve.v1 import batched_pb2
-from services.worker.batched import MESSAGE_BYTES, _messages
+from pdserve.services.worker.batched import MESSAGE_BYTES, _messages
 
 
 def test_outputs_are_cut_into_bounded_messages_in_order():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import EngineConfig, KVTransferConfig
-from services.worker.engine import engine_args
+from pdserve.services.worker.engine import engine_args
 
 KNOBS = ("dtype", "enforce_eager", "block_size", "max_num_batched_tokens",
          "enable_chunked_prefill", "max_num_seqs", "max_model_len")

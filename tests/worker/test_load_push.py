@@ -9,7 +9,7 @@ import gc
 
 from smg_grpc_proto.generated import common_pb2
 
-from services.worker.load_push import LoadNudges
+from pdserve.services.worker.load_push import LoadNudges
 
 
 async def test_a_request_that_ends_sends_the_load_at_once():

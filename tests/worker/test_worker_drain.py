@@ -10,7 +10,7 @@ import time
 from types import SimpleNamespace
 
 from pdserve.lifecycle import until_signalled
-from services.worker.main import drain
+from pdserve.services.worker.main import drain
 
 
 async def _finish_later(servicer, after: float) -> None:

@@ -1,4 +1,4 @@
-"""`python -m transfer.leak_check`: no lease outlives its request, whatever the client does.
+"""`python -m pdserve.bench.leak_check`: no lease outlives its request, whatever the client does.
 
 Streams `--requests` chat completions through the edge (every one disaggregated,
 distinct prompts), a `--cancel` share of them cut off by the client at a random
@@ -34,7 +34,7 @@ _USAGE = "vllm:kv_cache_usage_perc"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m transfer.leak_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.leak_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--cancel", type=float, default=1 / 3, help="share cut off by the client")

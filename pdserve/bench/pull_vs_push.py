@@ -1,4 +1,4 @@
-"""`python -m transfer.pull_vs_push`: the disaggregated path's TTFT with each NIXL mode.
+"""`python -m pdserve.bench.pull_vs_push`: the disaggregated path's TTFT with each NIXL mode.
 
 pull: the decode engine READs the prompt's blocks from the prefill engine (vLLM's
 `NixlConnector`); push: the prefill engine WRITEs them into blocks the decode
@@ -39,7 +39,7 @@ _XFER = "vllm:nixl_xfer_time_seconds"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m transfer.pull_vs_push", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.pull_vs_push", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/tiny-llama")
     p.add_argument("--lengths", default="1024,8192", help="prompt lengths in tokens")

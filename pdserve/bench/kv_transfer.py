@@ -1,4 +1,4 @@
-"""`python -m transfer.bench`: how fast KV blocks move, side by side in one run.
+"""`python -m pdserve.bench.kv_transfer`: how fast KV blocks move, side by side in one run.
 
 For each prompt length, the same bytes (a real model's KV layout):
   (a) memcpy in one process: the limit of this machine;
@@ -8,7 +8,7 @@ For each prompt length, the same bytes (a real model's KV layout):
 and the per-request transfer time through the real engines (`pdserve up` with
 the tiny model, from the connector's own `vllm:nixl_xfer_time_seconds`).
 
-    python -m transfer.bench [--layout llama-3.1-8b] [--tokens 1024,8192,32768] [--json]
+    python -m pdserve.bench.kv_transfer [--layout llama-3.1-8b] [--tokens 1024,8192,32768] [--json]
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import json
 import sys
 
 from .engine_run import stdout_for_the_result
-from .layout import LAYOUTS
-from .pair import WAYS, Setting, measure, memcpy_seconds
+from .kv_layout import LAYOUTS
+from .kv_pair import WAYS, Setting, measure, memcpy_seconds
 
 GIB = 1 << 30
 REFERENCE_BYTES = 256 << 20           # the issue's target applies from here up
@@ -47,7 +47,7 @@ def setting(name: str) -> Setting:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m transfer.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.kv_transfer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="llama-3.1-8b")
     p.add_argument("--block-tokens", type=int, default=128,
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
                "memcpy_gib_s": _gib_s(nbytes, memcpy_seconds(nbytes, args.reps)),
                "settings": {}}
         for s in settings:
-            print(f"transfer.bench: {tokens} tokens ({nbytes >> 20} MiB), {s.name}",
+            print(f"pdserve.bench.kv_transfer: {tokens} tokens ({nbytes >> 20} MiB), {s.name}",
                   file=sys.stderr, flush=True)
             row["settings"][s.name] = {w: _gib_s(nbytes, sec) for w, sec in
                                        measure(s, layout, tokens, args.reps).items()}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import KVLayout
+from .kv_layout import KVLayout
 
 WAYS = ("contiguous", "blocks", "blocks_sequential")
 

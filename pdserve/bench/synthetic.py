@@ -11,7 +11,7 @@ running count dropped to 0" is observable just as on a real worker. For fault
 tests it can be frozen (its streams stop sending, as under SIGSTOP) and it
 remembers what each request asked (`requests`: id -> prompt ids, max_tokens).
 
-    python -m services.worker.synthetic --model models/tiny-llama --port 50071 --rate 20
+    python -m pdserve.bench.synthetic --model models/tiny-llama --port 50071 --rate 20
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 
-from .batched import SERVICE_NAME as BATCHED_SERVICE
-from .batched import add_to_server as add_batched_generate
+from pdserve.services.worker.batched import SERVICE_NAME as BATCHED_SERVICE
+from pdserve.services.worker.batched import add_to_server as add_batched_generate
 
 log = logging.getLogger("pdserve.synthetic")
 
@@ -145,7 +145,7 @@ async def serve(model: str, served_model_name: str, host: str, port: int, rate: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m services.worker.synthetic", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.synthetic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model dir: its tokenizer spells the stamps")
     p.add_argument("--served-model-name", default="", help="default: --model")
