@@ -150,7 +150,7 @@ static PyMethodDef ByteStream_methods[] = {
 
 static PyTypeObject ByteStreamType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "services.edge._bytetext.ByteStream",
+    .tp_name = "pdserve.services.edge._bytetext.ByteStream",
     .tp_basicsize = sizeof(ByteStream),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "ByteStream(table, prompt_ids): one request's output text, fed token ids",

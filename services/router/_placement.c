@@ -521,7 +521,7 @@ static PySequenceMethods KeyStore_as_sequence = {.sq_length = (lenfunc)KeyStore_
 
 static PyTypeObject KeyStoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "services.router._placement.KeyStore",
+    .tp_name = "pdserve.services.router._placement.KeyStore",
     .tp_doc = "One worker's block keys, reported or placed provisionally.",
     .tp_basicsize = sizeof(KeyStore),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -700,7 +700,7 @@ static PyMethodDef Worker_methods[] = {
 
 static PyTypeObject WorkerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "services.router._placement.Worker",
+    .tp_name = "pdserve.services.router._placement.Worker",
     .tp_doc = "A worker's load as the router accounts it (registry.WorkerEntry's base).",
     .tp_basicsize = sizeof(Worker),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
