@@ -13,6 +13,8 @@
     pdserve bench admission [--smoke] [--json]      3x overload and a tenant bursting at 10x,
                   [--backend B] [--duration S]      with admission control and without
                   [--fairness-duration S] [--edges N]
+    pdserve bench window [--sizes B,B] [--windows]  one message's time through the edge's
+                                                    fixed HTTP/2 receive window, by size
 """
 from __future__ import annotations
 
@@ -245,7 +247,8 @@ def _placement(argv: list[str]) -> int:
                    help="cached prompt prefixes each worker holds")
     p.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks,
                    help="blocks of one cached prefix")
-    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
+    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens,
+                   help="tokens of each prompt placed")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates),
                    help="decisions offered per second, comma-separated")
     p.add_argument("--seconds", type=float, default=d.seconds, help="at each rate")
@@ -421,6 +424,9 @@ def main(argv: list[str]) -> int:
         return _placement(argv[1:])
     if argv[:1] == ["sessions"]:
         return _sessions(argv[1:])
+    if argv[:1] == ["window"]:
+        from .window import main as window_main
+        return window_main(argv[1:])
     if argv[:1] == ["edge"]:
         return _edge(argv[1:])
     if argv[:1] == ["admission"]:

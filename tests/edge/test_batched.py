@@ -210,15 +210,15 @@ def test_a_small_receive_window_makes_a_lagging_reader_fewer_larger_messages(mod
 
 
 def test_a_message_larger_than_the_window_arrives_whole():
-    """scripts/window_latency.py: a 30 KB message through an 8 KB window is read whole
-    (the reader opens the window for it), each of 20, and the script says how long."""
+    """`pdserve bench window`: a 30 KB message through an 8 KB window is read whole
+    (the reader opens the window for it), each of 20, and the bench says how long."""
     import re
     import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "scripts/window_latency.py", "--sizes", "30000",
-                          "--windows", "8192", "--messages", "20"], cwd=root,
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "window",
+                          "--sizes", "30000", "--windows", "8192", "--messages", "20"], cwd=root,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     m = re.search(r"message\s+30000 B, window\s+8192: p50 (\d+) us, p90 (\d+) us", out.stdout)

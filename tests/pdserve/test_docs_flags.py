@@ -94,7 +94,7 @@ def _parser_of(run, argv=()) -> argparse.ArgumentParser:
 def commands() -> dict[str, argparse.ArgumentParser]:
     """Every `pdserve` command's parser, by its name (`pdserve` for the global flags)."""
     from pdserve import cli
-    from pdserve.bench import chaos
+    from pdserve.bench import chaos, window
     from pdserve.bench import cli as bench
 
     main = cli._parser()
@@ -105,8 +105,9 @@ def commands() -> dict[str, argparse.ArgumentParser]:
             out[f"pdserve {name}"] = p
     out["pdserve chaos"] = chaos.parser()
     out["pdserve bench compare"] = bench._compare_parser()
-    for name in ("gateways", "router", "sessions", "edge", "admission"):
+    for name in ("gateways", "router", "placement", "sessions", "edge", "admission"):
         out[f"pdserve bench {name}"] = _parser_of(getattr(bench, f"_{name}"))
+    out["pdserve bench window"] = _parser_of(window.main)
     return out
 
 

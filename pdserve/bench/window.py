@@ -7,21 +7,18 @@ process that answers each request with one message of about `--sizes` bytes (80-
 outputs, as a decode step's), reads it through a channel with each window, and prints
 the time from the message's making to its read, p50 and p90, per size and window.
 
-    .venv/bin/python scripts/window_latency.py --sizes 4000,30000,120000 --windows 8192,65536,0
+    pdserve bench window --sizes 4000,30000,120000 --windows 8192,65536,0
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pdserve.rpc import channel  # noqa: E402
-from pdserve.v1 import batched_pb2, batched_pb2_grpc  # noqa: E402
+from pdserve.rpc import channel
+from pdserve.v1 import batched_pb2, batched_pb2_grpc
 
 OUTPUT_BYTES = 80
 
@@ -68,7 +65,7 @@ async def measure(address: str, window: int, size: int, messages: int) -> list[f
     return sorted(took[messages // 10:])
 
 
-async def main(sizes: list[int], windows: list[int], messages: int) -> None:
+async def run(sizes: list[int], windows: list[int], messages: int) -> None:
     server = grpc.aio.server()
     batched_pb2_grpc.add_BatchedGenerateServicer_to_server(OneMessageEach(), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -83,12 +80,14 @@ async def main(sizes: list[int], windows: list[int], messages: int) -> None:
         await server.stop(0)
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str]) -> int:
+    """`pdserve bench window ...`."""
+    p = argparse.ArgumentParser(prog="pdserve bench window", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="4000,30000,120000", help="message sizes, bytes")
     p.add_argument("--windows", default="8192,65536,0", help="receive windows, bytes (0: gRPC's)")
-    p.add_argument("--messages", type=int, default=200)
-    a = p.parse_args()
-    asyncio.run(main([int(x) for x in a.sizes.split(",")], [int(x) for x in a.windows.split(",")],
-                     a.messages))
+    p.add_argument("--messages", type=int, default=200, help="messages per size and window")
+    a = p.parse_args(argv)
+    asyncio.run(run([int(x) for x in a.sizes.split(",")], [int(x) for x in a.windows.split(",")],
+                    a.messages))
+    return 0
