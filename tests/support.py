@@ -237,3 +237,14 @@ def http_status(url: str) -> int:
         return e.code
     except OSError:
         return 0
+
+
+def wait_http(url: str, proc: Proc, timeout: float) -> None:
+    """Block until GET `url` is 200; fail with `proc`'s log tail when it exits or the
+    time runs out."""
+    deadline = time.monotonic() + timeout
+    while http_status(url) != 200:
+        if proc.popen.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{url} not up in {timeout}s (exit {proc.popen.poll()}):\n"
+                                 + "\n".join(proc.lines[-60:]))
+        time.sleep(0.2)

@@ -19,7 +19,7 @@ import pytest
 from cases import CASES
 from parity import CASES as PARITY
 from pdserve.bench.otlp_collector import Collector
-from support import Proc, alive, free_port, free_port_run, pdserve_cmd
+from support import Proc, alive, free_port, free_port_run, pdserve_cmd, wait_http
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
@@ -34,21 +34,6 @@ def post_any(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
         return 200, _post(url, body, timeout)
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
-
-
-def _wait_http(url: str, proc: Proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.popen.poll() is not None:
-            break
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not up in {timeout}s:\n" + "\n".join(proc.lines[-60:]))
 
 
 def _output(kind: str, resp: dict) -> str:
@@ -76,7 +61,7 @@ def reference(model_dir) -> dict[str, dict]:
                      "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
                 name="vllm-reference")
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc, 300)
+        wait_http(f"http://127.0.0.1:{port}/health", proc, 300)
         out = {}
         for case in CASES:
             path = "chat/completions" if case.kind == "chat" else "completions"

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from cases import CASES, MAX_TOKENS
-from conftest import _wait_http
 from pdserve.config import KVTransferConfig
-from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd, stop_all
+from support import (Proc, free_port, free_port_run, metric_sum, pdserve_cmd, stop_all,
+                     wait_http)
 from pdserve.transfer.connector import engine_kv_config
 
 
@@ -104,7 +104,7 @@ def stock_cluster(model_dir, reference):
                                       # Stock workers offer no batched calls: per-request.
                                       "--decode-calls", "batched"), name="edge"))
         url = f"http://127.0.0.1:{edge_port}"
-        _wait_http(f"{url}/health", procs[-1], 300)     # a slow box imports slowly
+        wait_http(f"{url}/health", procs[-1], 300)     # a slow box imports slowly
         yield url, procs
     finally:
         _stop(procs, addrs)

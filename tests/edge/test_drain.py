@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
-from support import http_status, Proc, free_port, parse_sse, pdserve_cmd
+from support import http_status, wait_http, Proc, free_port, parse_sse, pdserve_cmd
 
 
 
@@ -26,10 +26,7 @@ def test_sigterm_drains(model_dir):
                                 "--drain-seconds", "20"), name="edge")
         procs.append(edge)
         url = f"http://127.0.0.1:{edge_port}"
-        deadline = time.monotonic() + 60
-        while http_status(f"{url}/health") != 200:
-            assert time.monotonic() < deadline, "\n".join(edge.lines[-30:])
-            time.sleep(0.2)
+        wait_http(f"{url}/health", edge, 60)
         body = json.dumps({"model": str(model_dir), "prompt": "hello", "max_tokens": 60,
                            "stream": True}).encode()
         req = urllib.request.Request(f"{url}/v1/completions", data=body,

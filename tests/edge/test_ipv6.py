@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from support import http_status, Proc, free_port, ipv6_loopback, parse_sse, pdserve_cmd, stop_all
+from support import http_status, wait_http, Proc, free_port, ipv6_loopback, parse_sse, pdserve_cmd, stop_all
 
 pytestmark = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 
@@ -29,10 +28,7 @@ def test_an_edge_on_all_addresses_streams_from_an_engine_on_ipv6_loopback(model_
                                 "--min-prefill-workers", "0"), name="edge")
         procs.append(edge)
         url = f"http://[::1]:{edge_port}"
-        deadline = time.monotonic() + 60
-        while http_status(f"{url}/health") != 200:
-            assert time.monotonic() < deadline, "\n".join(edge.lines[-30:])
-            time.sleep(0.2)
+        wait_http(f"{url}/health", edge, 60)
         assert http_status(f"http://127.0.0.1:{edge_port}/health") == 200
         body = json.dumps({"model": str(model_dir), "prompt": "hello", "max_tokens": 8,
                            "stream": True}).encode()
