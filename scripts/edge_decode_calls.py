@@ -32,7 +32,7 @@ import sys
 
 import psutil
 
-from pdserve.bench.deployments import Hardware, PdserveStack, _Children, free_port, gateway_pids
+from pdserve.bench.deployments import Hardware, PdserveStack, processes, free_port, gateway_pids
 from pdserve.bench.gateways import _runs
 
 MODES = ("per-request", "batched")
@@ -61,7 +61,7 @@ def main() -> None:
     # Every prompt prefilled remotely, as in `pdserve bench gateways`.
     stack = PdserveStack("decode-calls", model, 0, hw,
                          placement=("--prefill-saturated", "0", "--decode-calls", a.stack_edge))
-    beside = _Children("edge-beside")
+    beside = processes("edge-beside")
     try:
         first = stack.start()[0]
         edge = [pid for pid in gateway_pids(stack.up_pid)
@@ -76,7 +76,7 @@ def main() -> None:
         beside.wait_healthy([second + "/health"])
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model)
-        edges = {names[0]: ([first], edge), names[1]: ([second], [beside.procs[0][0].pid])}
+        edges = {names[0]: ([first], edge), names[1]: ([second], beside.pids())}
         res = asyncio.run(_runs(edges, model, tokenizer, a.requests, a.rate, a.reps, 0))
     finally:
         beside.stop()

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .deployments import Hardware, PdserveStack, _Children, free_port
+from .deployments import Hardware, PdserveStack, processes, free_port
 
 TENANTS = {"steady": "sk-bench-steady-0f3a9c", "burst": "sk-bench-burst-7d21e4"}
 REJECTED = (429, 503)
@@ -195,7 +195,7 @@ class _SyntheticStack:
 
     def __init__(self, st: Settings, model: str, keys_file: Path, admission: bool):
         self.st, self.model, self.keys_file, self.admission = st, model, keys_file, admission
-        self.children = _Children("admission-synthetic")
+        self.children = processes("admission-synthetic")
         self.urls: list[str] = []
         self.engine_metrics = None
 
@@ -220,7 +220,7 @@ class _SyntheticStack:
 
     def edge_pid(self) -> int:
         """The first edge (its RSS and CPU are the ones reported)."""
-        return self.children.procs[2][0].pid
+        return self.children.children[2].pid
 
     def stop(self) -> None:
         self.children.stop()

@@ -37,7 +37,6 @@ import os
 import re
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -274,9 +273,9 @@ class _Deployment:
     """The source, nginx and the edge stack, each started when asked, all stopped by stop()."""
 
     def __init__(self, model: str, rate: float, tmp: Path):
-        from .deployments import _Children
+        from .deployments import processes
         self.model, self.rate, self.tmp = model, rate, tmp
-        self._children = _Children
+        self._children = processes
         self.source = self.nginx = self.floor = None
         self.edges: dict[str, tuple] = {}       # path name -> (router, edge) processes
         self.ports: dict[str, int] = {}
@@ -340,7 +339,7 @@ class _Deployment:
         """A started process and its descendants (nginx: master and workers)."""
         import psutil
         out = []
-        for p, _ in children.procs:
+        for p in children.children:
             try:
                 out += [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
             except psutil.NoSuchProcess:
@@ -355,7 +354,7 @@ class _Deployment:
         else:
             procs = ([self.source] if name == "direct" else [self.floor] if name == "floor"
                      else list(self.edges.get(name, ())))
-            logs = [log for c in procs if c for _, log in c.procs]
+            logs = [child.log for c in procs if c for child in c.children]
         seen: Counter = Counter()
         for log in logs:
             if log.exists():
@@ -466,6 +465,8 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
     per group, then the whole machine's busy CPU s]))."""
     import numpy as np
     import psutil
+    from pdserve.launch import Child
+
     from .deployments import cpu_seconds
     start_at = time.monotonic() + 1.0           # after the clients' own start-up (~0.2 s)
     base = {"host": "127.0.0.1", "ports": ports, "model": model, "max_tokens": st.max_tokens,
@@ -477,11 +478,11 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
     try:
         for i in range(st.clients):
             spec = dict(base, index=i, out=str(tmp / f"client{i}"))
-            procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.bench.edge", "client",
-                                           json.dumps(spec)], start_new_session=True))
+            procs.append(Child([sys.executable, "-m", "pdserve.bench.edge", "client",
+                                json.dumps(spec)], name=f"client{i}"))
         last_note = time.monotonic()
         samples = []
-        while any(p.poll() is None for p in procs):
+        while any(p.running() for p in procs):
             peak = [max(p, _rss_mib(w)) for p, w in zip(peak, watch)]
             box = psutil.cpu_times()
             samples.append((time.monotonic(), [cpu_seconds(g) for g in cpu_watch]
@@ -493,14 +494,13 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
         wall = time.monotonic() - t0
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+            p.kill_session()
+            p.popen.wait()
     results: list[list[dict]] = [[] for _ in ports]
     for i, p in enumerate(procs):
         out = tmp / f"client{i}"
-        if p.returncode != 0 or not out.with_suffix(".json").exists():
-            raise RuntimeError(f"load client {i} failed (exit {p.returncode})")
+        if p.popen.returncode != 0 or not out.with_suffix(".json").exists():
+            raise RuntimeError(f"load client {i} failed (exit {p.popen.returncode})")
         r = json.loads(out.with_suffix(".json").read_text())
         for k in range(len(ports)):
             results[k].append({
