@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.cli import ENGINE_FLAGS, PLACEMENT_FLAGS, EDGE_FLAGS
+from pdserve.flags import EDGE_FLAGS, ENGINE_FLAGS, PLACEMENT_FLAGS
 from pdserve.config import EngineConfig
 from pdserve.launch import Child, healthy, stop_all
 from pdserve.netaddr import dialable, hostport, loopback
