@@ -7,8 +7,7 @@ keys file of two tenants, `steady` and `burst` (both `normal`):
 - real backend: `pdserve up` (1 prefill + 1 decode worker, the tiny model) with
   `--max-num-seqs` small, so that the decode pool's capacity is a few requests;
 - synthetic backend: `pdserve router` + `pdserve edge` in front of a synthetic
-  engine (this module run as `python -m pdserve.bench.admission`: the clock
-  engine of `pdserve/bench/synthetic.py` holding at most `capacity` streams at
+  engine (pdserve/bench/synthetic.py holding at most `--max-num-seqs` streams at
   once, the rest waiting, as vLLM's scheduler does), so the flow runs in seconds;
   `--edges N` starts N edge replicas on the one router and sends them requests
   in turn (they share the pool through the router: services/router/edges.py).
@@ -34,7 +33,6 @@ Only the result goes to stdout; progress goes to stderr.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -100,59 +98,6 @@ SMOKE = Settings(backend="synthetic", duration=1.5, fairness_duration=1.5,
                  capacity_seconds=1.0, timeout=30.0, settle=1.0)
 
 
-# --- the synthetic engine (`python -m pdserve.bench.admission ...`) ---------------------
-
-def _bounded_engine(tokenizer, name: str, rate: float, capacity: int):
-    """The stamp engine of `pdserve bench edge`, running at most `capacity` streams at
-    once; the rest wait their turn and are reported as waiting."""
-    from smg_grpc_proto import vllm_engine_pb2
-
-    from .edge_source import StampEngine
-
-    class BoundedEngine(StampEngine):
-        def __init__(self):
-            super().__init__(tokenizer, name, rate)
-            self.capacity = capacity
-            self.slots = asyncio.Semaphore(capacity)
-            self.waiting = 0
-
-        async def Generate(self, request, context):
-            self.waiting += 1
-            try:
-                await self.slots.acquire()
-            finally:
-                self.waiting -= 1
-            try:
-                async for out in super().Generate(request, context):
-                    yield out
-            finally:
-                self.slots.release()
-
-        async def GetLoads(self, request, context):
-            return vllm_engine_pb2.GetLoadsResponse(dp_rank_count=1, loads=[
-                vllm_engine_pb2.SchedulerLoad(num_running_reqs=len(self.running),
-                                              num_waiting_reqs=self.waiting,
-                                              max_running_requests=self.capacity)])
-
-    return BoundedEngine()
-
-
-async def _serve_engine(model: str, port: int, rate: float, capacity: int) -> None:
-    from transformers import AutoTokenizer
-
-    from pdserve.lifecycle import until_signalled
-    from pdserve.rpc import Server
-    from pdserve.bench.synthetic import SERVICE_NAMES, add_to_server
-
-    engine = _bounded_engine(AutoTokenizer.from_pretrained(model), model, rate, capacity)
-    server = Server("127.0.0.1", port, lambda s: add_to_server(engine, s), SERVICE_NAMES)
-    await server.start()
-    try:
-        await until_signalled()
-    finally:
-        await server.stop(grace=1.0)
-
-
 # --- the stacks under test ---------------------------------------------------------------
 
 def _edge_flags(st: Settings, keys_file: Path, admission: bool) -> list[str]:
@@ -202,7 +147,7 @@ class _SyntheticStack:
     def start(self) -> list[str]:
         engine, router = free_port(), free_port()
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
-        self.children.start([sys.executable, "-m", "pdserve.bench.admission", "--model",
+        self.children.start([sys.executable, "-m", "pdserve.bench.synthetic", "--model",
                              self.model, "--port", str(engine), "--rate",
                              str(self.st.synthetic_rate), "--capacity",
                              str(self.st.max_num_seqs)], {})
@@ -709,22 +654,3 @@ def table(result: dict) -> str:
                 f"{f['steady_ttft_p99_ratio_no_admission']}")
     rows += [f"  target {k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()]
     return "\n".join(rows)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The synthetic engine the synthetic backend starts."""
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.admission",
-                                description="A synthetic engine that runs at most --capacity "
-                                            "streams at once (the rest wait).")
-    p.add_argument("--model", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--rate", type=float, default=100.0, help="tokens per second per stream")
-    p.add_argument("--capacity", type=int, default=4)
-    a = p.parse_args(argv)
-    import uvloop
-    uvloop.run(_serve_engine(a.model, a.port, a.rate, a.capacity))
-
-
-if __name__ == "__main__":
-    main()
-

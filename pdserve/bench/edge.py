@@ -1,6 +1,6 @@
 """`pdserve bench edge`: many SSE streams through the edge, beside nginx and no proxy.
 
-One token source (`edge_source`: the synthetic engine's gRPC face for the edge,
+One token source (`pdserve.bench.synthetic`: its gRPC face for the edge,
 an OpenAI-shaped HTTP face for the rest) stamps every chunk with its send time
 on CLOCK_MONOTONIC. `streams` concurrent streamed completions of
 `rate × duration` chunks each (starts spread over `ramp` seconds) go, one path
@@ -284,8 +284,8 @@ class _Deployment:
         from .deployments import free_port
         self.ports |= {"grpc": free_port(), "http": free_port()}
         self.source = self._children("edge-source")
-        self.source.start([sys.executable, "-m", "pdserve.bench.edge_source", "--model",
-                           self.model, "--grpc-port", str(self.ports["grpc"]), "--http-port",
+        self.source.start([sys.executable, "-m", "pdserve.bench.synthetic", "--model",
+                           self.model, "--port", str(self.ports["grpc"]), "--http-port",
                            str(self.ports["http"]), "--rate", str(self.rate)], {})
         self.source.wait_healthy([f"http://127.0.0.1:{self.ports['http']}/health"])
 
