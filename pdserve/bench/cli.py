@@ -309,7 +309,8 @@ def _edge(argv: list[str]) -> int:
     from pdserve.cli import DEFAULT_MODEL_DIR
     from pdserve.tiny_model import ensure_tiny_model
 
-    from .edge import NGINX, PATHS, Settings, bench_edge, table
+    from .edge import PATHS, Settings, bench_edge, table
+    from .edge_paths import NGINX
 
     p = argparse.ArgumentParser(prog="pdserve bench edge",
                                 description="Concurrent SSE streams from a synthetic token "

@@ -51,22 +51,8 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     leases = (KVTransferService(engine.llm, cfg.worker_id, cfg.kv.lease_seconds)
               if cfg.role == "prefill" and cfg.kv else None)
     servicer.leases = leases
-    services = [ENGINE_SERVICE, BATCHED_SERVICE] + ([LEASE_SERVICE] if leases else [])
-
-    def add_servicers(server) -> None:
-        add_engine_protocol(servicer, server)
-        # The same Generate, many generations to a call (an edge's --decode-calls batched).
-        add_batched_generate(servicer, server)
-        if leases:
-            add_lease_service(leases, server)
-        # grpcurl and gateways discover the services by reflection, as on `vllm serve --grpc`.
-        reflection.enable_server_reflection(
-            [*services, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-
-    # Health also answers for what the worker can do that is no service of its own.
     continues = continues_prefill(cfg.role, cfg.kv)
-    server = Server(cfg.host, cfg.port, add_servicers,
-                    services + ([CONTINUES_PREFILL] if continues else []))
+    server = _server(cfg, servicer, leases, continues)
     # Default id from the bound port, so that port 0 still gives a stable, unique name.
     worker_id = servicer.worker_id = (
         cfg.worker_id or f"{cfg.role}-{socket.gethostname()}-{server.port}")
@@ -75,12 +61,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         leases.worker_id = worker_id
         refresh = asyncio.create_task(leases.refresh(), name="lease-stats")
     if cfg.metrics_port:
-        # vLLM's stat logger records the engine's vllm:* series into this process's
-        # default registry; serve them unchanged, as `vllm serve` does on /metrics,
-        # with the worker's pdserve:kv_* series and who it is (dashboards join on it).
-        prometheus_client.Info("pdserve:worker", "This worker: its id, role and model").info(
-            {"worker_id": worker_id, "role": cfg.role, "model_name": cfg.engine.name})
-        prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host)
+        _serve_metrics(cfg, worker_id)
     address = hostport(cfg.advertise_host or cfg.host, server.port)
     info = router_pb2.WorkerInfo(worker_id=worker_id, role=_ROLES[cfg.role], address=address,
                                  model=cfg.engine.name, serving=True,
@@ -102,6 +83,36 @@ async def serve_worker(cfg: WorkerConfig) -> None:
             refresh.cancel()
         await server.stop(grace=1.0)
         engine.shutdown()
+
+
+def _server(cfg: WorkerConfig, servicer: WorkerEngineServicer, leases, continues: bool) -> Server:
+    """The worker's gRPC server: the engine protocol, the same Generate batched, a prefill
+    worker's lease service, health and reflection."""
+    services = [ENGINE_SERVICE, BATCHED_SERVICE] + ([LEASE_SERVICE] if leases else [])
+
+    def add_servicers(server) -> None:
+        add_engine_protocol(servicer, server)
+        # The same Generate, many generations to a call (an edge's --decode-calls batched).
+        add_batched_generate(servicer, server)
+        if leases:
+            add_lease_service(leases, server)
+        # grpcurl and gateways discover the services by reflection, as on `vllm serve --grpc`.
+        reflection.enable_server_reflection(
+            [*services, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+
+    # Health also answers for what the worker can do that is no service of its own.
+    return Server(cfg.host, cfg.port, add_servicers,
+                  services + ([CONTINUES_PREFILL] if continues else []))
+
+
+def _serve_metrics(cfg: WorkerConfig, worker_id: str) -> None:
+    """The worker's Prometheus metrics on cfg.metrics_port."""
+    # vLLM's stat logger records the engine's vllm:* series into this process's
+    # default registry; serve them unchanged, as `vllm serve` does on /metrics,
+    # with the worker's pdserve:kv_* series and who it is (dashboards join on it).
+    prometheus_client.Info("pdserve:worker", "This worker: its id, role and model").info(
+        {"worker_id": worker_id, "role": cfg.role, "model_name": cfg.engine.name})
+    prometheus_client.start_http_server(cfg.metrics_port, addr=cfg.host)
 
 
 async def drain(servicer: WorkerEngineServicer, seconds: float, cut_short: asyncio.Future,
