@@ -125,7 +125,7 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
     _add_admission_flags(g, d)
     _add_stream_flags(g, d)
     g = p.add_argument_group("faults (edge)")
-    _add_fault_flags(g, d)
+    _add_config_flags(g, d, _FAULT_FLAGS)
     _add_decode_path_flags(g, d)
 
 
@@ -154,59 +154,72 @@ def _add_stream_flags(g: argparse._ArgumentGroup, d: EdgeConfig) -> None:
     g.add_argument("--stream-store", default=_env("PDSERVE_STREAM_STORE", d.stream_store),
                    help="where stream logs live: memory, or redis://HOST:PORT (shared by "
                         "edge replicas, so a client can resume on another one)")
-    g.add_argument("--stream-resume-seconds", type=float, default=d.stream_resume_seconds,
-                   help="a generation whose readers all dropped (no cancel) runs on this "
-                        "long for one to resume, then is aborted")
-    g.add_argument("--stream-ttl-seconds", type=float, default=d.stream_ttl_seconds,
-                   help="a finished stream's log is kept this long")
-    g.add_argument("--stream-max-events", type=int, default=d.stream_max_events,
-                   help="a stream's log keeps its last this many events")
-    g.add_argument("--stream-stall-seconds", type=float, default=d.stream_stall_seconds,
-                   help="a reader whose writes are blocked this long is cut off")
-    g.add_argument("--sse-keepalive-seconds", type=float, default=d.sse_keepalive_seconds,
-                   help="an idle SSE stream gets a comment line this often")
+    _add_config_flags(g, d, _STREAM_FLAGS)
 
 
-def _add_fault_flags(g: argparse._ArgumentGroup, d: EdgeConfig) -> None:
-    g.add_argument("--prefill-timeout-seconds", type=float, default=d.prefill_timeout_seconds,
-                   help="a prefill leg slower than this is aborted and tried on another "
-                        "prefill worker")
-    g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts,
-                   help="prefill workers tried for one request before the decode worker "
-                        "prefills locally")
-    g.add_argument("--decode-stall-seconds", type=float, default=d.decode_stall_seconds,
-                   help="a decode worker that sends no token for this long is left: the "
-                        "generation moves to another one")
-    g.add_argument("--decode-first-token-seconds", type=float,
-                   default=d.decode_first_token_seconds,
-                   help="the same, before a decode leg's first token")
-    g.add_argument("--max-migrations", type=int, default=d.max_migrations,
-                   help="moves to another decode worker per generation before it fails")
+# Flags whose default is EdgeConfig's field of the same name: (flag, type, help).
+_STREAM_FLAGS = (
+    ("--stream-resume-seconds", float, "a generation whose readers all dropped (no cancel) "
+                                       "runs on this long for one to resume, then is aborted"),
+    ("--stream-ttl-seconds", float, "a finished stream's log is kept this long"),
+    ("--stream-max-events", int, "a stream's log keeps its last this many events"),
+    ("--stream-stall-seconds", float, "a reader whose writes are blocked this long is cut off"),
+    ("--sse-keepalive-seconds", float, "an idle SSE stream gets a comment line this often"),
+)
+_FAULT_FLAGS = (
+    ("--prefill-timeout-seconds", float, "a prefill leg slower than this is aborted and tried "
+                                         "on another prefill worker"),
+    ("--prefill-attempts", int, "prefill workers tried for one request before the decode "
+                                "worker prefills locally"),
+    ("--decode-stall-seconds", float, "a decode worker that sends no token for this long is "
+                                      "left: the generation moves to another one"),
+    ("--decode-first-token-seconds", float, "the same, before a decode leg's first token"),
+    ("--max-migrations", int, "moves to another decode worker per generation before it fails"),
+)
+
+
+def _add_config_flags(g: argparse._ArgumentGroup, d, table) -> None:
+    """A flag per row of `table`, its default `d`'s field of the flag's name."""
+    for flag, kind, help in table:
+        g.add_argument(flag, type=kind, default=getattr(d, flag[2:].replace("-", "_")),
+                       help=help)
 
 
 def _add_decode_path_flags(g: argparse._ArgumentGroup, d: EdgeConfig) -> None:
-    g.add_argument("--decode-calls", choices=["per-request", "batched"],
-                   default=_env("PDSERVE_DECODE_CALLS", d.decode_calls),
-                   help="how decode tokens travel: batched, past a few open legs one shared "
-                        "call per pdserve worker, each message every output of one turn (a "
-                        "stock worker gets per-request calls), or per-request: a vLLM "
-                        "Generate call per leg")
-    g.add_argument("--decode-window-bytes", type=int,
-                   default=_env("PDSERVE_DECODE_WINDOW_BYTES", d.decode_window_bytes),
-                   help="each call to a worker's HTTP/2 receive window, fixed (0: gRPC's, "
-                        "which grows): a worker streaming to an edge that fell behind waits "
-                        "at this many unread bytes, and sends what it made meanwhile together")
-    g.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS),
-                   default=_env("PDSERVE_TOOL_CALL_PARSER", d.tool_call_parser),
-                   help="how tool_choice auto reads calls in the model's output: auto (by "
-                        "the model's chat template: Hermes <tool_call> or Llama 3 JSON), a "
-                        "parser by name, or none (tool_choice auto is then a 400)")
-    g.add_argument("--first-token", choices=["prefill", "decode"],
-                   default=_env("PDSERVE_FIRST_TOKEN", d.first_token),
-                   help="on the disaggregated path, the client's first token: the prefill "
-                        "worker's, sent when the prefill answers (the decode worker goes on "
-                        "after it, where it can), or the decode engine's, after the KV "
-                        "handover (no gap after the first token)")
+    _add_env_flag(g, d, "--decode-calls", choices=["per-request", "batched"], help=(
+        "how decode tokens travel: batched, past a few open legs one shared call per pdserve "
+        "worker, each message every output of one turn (a stock worker gets per-request "
+        "calls), or per-request: a vLLM Generate call per leg"))
+    _add_env_flag(g, d, "--decode-window-bytes", type=int, help=(
+        "each call to a worker's HTTP/2 receive window, fixed (0: gRPC's, which grows): a "
+        "worker streaming to an edge that fell behind waits at this many unread bytes, and "
+        "sends what it made meanwhile together"))
+    _add_env_flag(g, d, "--tool-call-parser", choices=list(TOOL_CALL_PARSERS), help=(
+        "how tool_choice auto reads calls in the model's output: auto (by the model's chat "
+        "template: Hermes <tool_call> or Llama 3 JSON), a parser by name, or none "
+        "(tool_choice auto is then a 400)"))
+    _add_env_flag(g, d, "--first-token", choices=["prefill", "decode"], help=(
+        "on the disaggregated path, the client's first token: the prefill worker's, sent "
+        "when the prefill answers (the decode worker goes on after it, where it can), or "
+        "the decode engine's, after the KV handover (no gap after the first token)"))
+
+
+def _add_env_flag(g: argparse._ArgumentGroup, d, flag: str, **kw) -> None:
+    """A flag whose default is the environment's PDSERVE_<FLAG NAME>, else `d`'s field of
+    the flag's name (--first-token: PDSERVE_FIRST_TOKEN, d.first_token)."""
+    field = flag[2:].replace("-", "_")
+    g.add_argument(flag, default=_env(f"PDSERVE_{field.upper()}", getattr(d, field)), **kw)
+
+
+def _add_kv_flags(p: argparse.ArgumentParser, port_help: str, mode_help: str) -> None:
+    """The KV transfer's flags (a worker's own; on `up`, every worker's); the defaults
+    are KVTransferConfig's."""
+    d = KVTransferConfig()
+    p.add_argument("--kv-port", type=int, default=5600, help=port_help)
+    p.add_argument("--kv-lease-seconds", type=int, default=d.lease_seconds,
+                   help="free a prefill's blocks no decoder claimed after this long")
+    p.add_argument("--kv-transfer-mode", choices=("pull", "push"), default=d.mode,
+                   help=mode_help)
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -238,14 +251,9 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                     help="first prefill worker's gRPC port (the next ones count up)")
     up.add_argument("--decode-port", type=int, default=50071,
                     help="first decode worker's gRPC port (the next ones count up)")
-    up.add_argument("--kv-port", type=int, default=5600,
-                    help="NIXL side-channel port of the first worker (the others count up)")
-    up.add_argument("--kv-lease-seconds", type=int, default=KVTransferConfig().lease_seconds,
-                    help="free a prefill's blocks no decoder claimed after this long")
-    up.add_argument("--kv-transfer-mode", choices=("pull", "push"),
-                    default=KVTransferConfig().mode,
-                    help="pull: the decode engine READs the prompt's blocks; push: the prefill "
-                         "engine WRITEs them (every worker of the stack alike)")
+    _add_kv_flags(up, "NIXL side-channel port of the first worker (the others count up)",
+                  "pull: the decode engine READs the prompt's blocks; push: the prefill "
+                  "engine WRITEs them (every worker of the stack alike)")
     up.add_argument("--prefill-cpus", default="", help="cores for the prefill engine (cpu)")
     up.add_argument("--decode-cpus", default="", help="cores for the decode engine (cpu)")
     up.add_argument("--gateway-cpus", default="",
@@ -283,13 +291,9 @@ def add_worker(sub: argparse._SubParsersAction, role: str) -> None:
                    help="address others dial (default --host)")
     w.add_argument("--router", default="127.0.0.1:50051")
     w.add_argument("--worker-id", default="")
-    w.add_argument("--kv-port", type=int, default=5600, help="NIXL side-channel port")
-    w.add_argument("--kv-lease-seconds", type=int, default=KVTransferConfig().lease_seconds,
-                   help="free a prefill's blocks no decoder claimed after this long")
-    w.add_argument("--kv-transfer-mode", choices=("pull", "push"),
-                   default=KVTransferConfig().mode,
-                   help="pull: the decode engine READs the blocks; push: the prefill "
-                        "engine WRITEs them (prefill and decode workers must agree)")
+    _add_kv_flags(w, "NIXL side-channel port",
+                  "pull: the decode engine READs the blocks; push: the prefill "
+                  "engine WRITEs them (prefill and decode workers must agree)")
     w.add_argument("--cpus", default="", help="cores for the engine's threads (cpu)")
     w.add_argument("--metrics-port", type=int, default=0,
                    help="serve the engine's vllm:* Prometheus metrics on this port (0: off)")

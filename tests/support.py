@@ -105,6 +105,17 @@ def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]
 
 
+def up_cmd(ports: dict[str, int], model_dir, kv: int, metrics: int, *flags: str) -> list[str]:
+    """`pdserve up` on `ports` (edge, grpc, router, prefill, decode: the first of each
+    pool), its workers' NIXL side channels and metrics counting up from `kv` and
+    `metrics`, with `flags` more."""
+    return pdserve_cmd("up", "--port", str(ports["edge"]), "--grpc-port", str(ports["grpc"]),
+                       "--router-port", str(ports["router"]),
+                       "--prefill-port", str(ports["prefill"]),
+                       "--decode-port", str(ports["decode"]), "--kv-port", str(kv),
+                       "--model", str(model_dir), "--worker-metrics-port", str(metrics), *flags)
+
+
 # The request header that asks a POST /v1/completions or /v1/chat/completions for the
 # resumable SSE framing (`id:` per event, `retry:`, keepalive comments); without it the
 # edge answers in OpenAI's plain framing (`data:` lines only; services/edge/sse.py).
