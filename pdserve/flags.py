@@ -186,29 +186,32 @@ def _add_config_flags(g: argparse._ArgumentGroup, d, table) -> None:
 
 
 def _add_decode_path_flags(g: argparse._ArgumentGroup, d: EdgeConfig) -> None:
-    _add_env_flag(g, d, "--decode-calls", choices=["per-request", "batched"], help=(
+    _add_env_flag(g, d, "--decode-calls", "PDSERVE_DECODE_CALLS",
+                  choices=["per-request", "batched"], help=(
         "how decode tokens travel: batched, past a few open legs one shared call per pdserve "
         "worker, each message every output of one turn (a stock worker gets per-request "
         "calls), or per-request: a vLLM Generate call per leg"))
-    _add_env_flag(g, d, "--decode-window-bytes", type=int, help=(
+    _add_env_flag(g, d, "--decode-window-bytes", "PDSERVE_DECODE_WINDOW_BYTES",
+                  type=int, help=(
         "each call to a worker's HTTP/2 receive window, fixed (0: gRPC's, which grows): a "
         "worker streaming to an edge that fell behind waits at this many unread bytes, and "
         "sends what it made meanwhile together"))
-    _add_env_flag(g, d, "--tool-call-parser", choices=list(TOOL_CALL_PARSERS), help=(
+    _add_env_flag(g, d, "--tool-call-parser", "PDSERVE_TOOL_CALL_PARSER",
+                  choices=list(TOOL_CALL_PARSERS), help=(
         "how tool_choice auto reads calls in the model's output: auto (by the model's chat "
         "template: Hermes <tool_call> or Llama 3 JSON), a parser by name, or none "
         "(tool_choice auto is then a 400)"))
-    _add_env_flag(g, d, "--first-token", choices=["prefill", "decode"], help=(
+    _add_env_flag(g, d, "--first-token", "PDSERVE_FIRST_TOKEN",
+                  choices=["prefill", "decode"], help=(
         "on the disaggregated path, the client's first token: the prefill worker's, sent "
         "when the prefill answers (the decode worker goes on after it, where it can), or "
         "the decode engine's, after the KV handover (no gap after the first token)"))
 
 
-def _add_env_flag(g: argparse._ArgumentGroup, d, flag: str, **kw) -> None:
-    """A flag whose default is the environment's PDSERVE_<FLAG NAME>, else `d`'s field of
-    the flag's name (--first-token: PDSERVE_FIRST_TOKEN, d.first_token)."""
-    field = flag[2:].replace("-", "_")
-    g.add_argument(flag, default=_env(f"PDSERVE_{field.upper()}", getattr(d, field)), **kw)
+def _add_env_flag(g: argparse._ArgumentGroup, d, flag: str, env: str, **kw) -> None:
+    """A flag whose default is the environment's `env`, else `d`'s field of the flag's
+    name (--first-token: d.first_token)."""
+    g.add_argument(flag, default=_env(env, getattr(d, flag[2:].replace("-", "_"))), **kw)
 
 
 def _add_kv_flags(p: argparse.ArgumentParser, port_help: str, mode_help: str) -> None:
