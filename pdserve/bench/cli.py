@@ -41,6 +41,10 @@ from pdserve.config import RouterConfig
 from pdserve.flags import DEFAULT_MODEL_DIR
 
 
+def _parser(name: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"pdserve bench {name}", description=description)
+
+
 def _model(given: str) -> str:
     """--model, or the tiny model (built if absent)."""
     from pdserve.tiny_model import ensure_tiny_model
@@ -158,9 +162,8 @@ def _gateways(argv: list[str]) -> int:
     from .deployments import Hardware
     from .gateways import compare_gateways
 
-    p = argparse.ArgumentParser(prog="pdserve bench gateways",
-                                description="pdserve's edge and SMG in front of the same "
-                                            "prefill and decode workers, side by side.")
+    p = _parser("gateways", "pdserve's edge and SMG in front of the same prefill and decode "
+                "workers, side by side.")
     p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
     p.add_argument("--requests", type=int, default=30, help="requests per rep and gateway")
     p.add_argument("--rate", type=float, default=1.0)
@@ -199,10 +202,8 @@ def _gateways(argv: list[str]) -> int:
 def _router(argv: list[str]) -> int:
     from .router_sim import SimConfig, run_all
 
-    p = argparse.ArgumentParser(prog="pdserve bench router",
-                                description="The router's placement replayed on a synthetic "
-                                            "multi-turn chat trace, against baseline policies "
-                                            "(no engines; seconds).")
+    p = _parser("router", "The router's placement replayed on a synthetic multi-turn chat trace, "
+                "against baseline policies (no engines; seconds).")
     p.add_argument("--workers", type=int, default=4, help="decode workers")
     p.add_argument("--sessions", type=int, default=2400)
     p.add_argument("--balance", type=float, default=1.25, help="bounded-load factor c")
@@ -248,10 +249,8 @@ def _placement(argv: list[str]) -> int:
     from .placement import PlacementBench, compare, table
 
     d = PlacementBench()
-    p = argparse.ArgumentParser(prog="pdserve bench placement",
-                                description="What one placement decision costs the router, "
-                                            "its C path against its Python one, on a large "
-                                            "state at offered rates (no engines; a minute).")
+    p = _parser("placement", "What one placement decision costs the router, its C path against its "
+                "Python one, on a large state at offered rates (no engines; a minute).")
     p.add_argument("--workers", type=int, default=d.workers, help="decode workers")
     p.add_argument("--prefixes", type=int, default=d.prefixes,
                    help="cached prompt prefixes each worker holds")
@@ -283,10 +282,8 @@ def _sessions(argv: list[str]) -> int:
     from .deployments import Hardware
     from .sessions import compare_sessions, table
 
-    p = argparse.ArgumentParser(prog="pdserve bench sessions",
-                                description="Multi-turn chat sessions through pdserve and SMG "
-                                            "(cache_aware, consistent_hashing) in front of the "
-                                            "same prefill worker and 2 decode workers.")
+    p = _parser("sessions", "Multi-turn chat sessions through pdserve and SMG (cache_aware, "
+                "consistent_hashing) in front of the same prefill worker and 2 decode workers.")
     p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
@@ -327,10 +324,8 @@ def _edge(argv: list[str]) -> int:
     from .edge import PATHS, Settings, bench_edge, table
     from .edge_paths import NGINX
 
-    p = argparse.ArgumentParser(prog="pdserve bench edge",
-                                description="Concurrent SSE streams from a synthetic token "
-                                            "source: direct, through nginx and through "
-                                            "pdserve's edge, one after another in one run.")
+    p = _parser("edge", "Concurrent SSE streams from a synthetic token source: direct, through "
+                "nginx and through pdserve's edge, one after another in one run.")
     p.add_argument("--streams", type=int, default=1000, help="concurrent streams per path")
     p.add_argument("--rate", type=float, default=20.0, help="tokens per second per stream")
     p.add_argument("--duration", type=float, default=20.0, help="seconds each stream lasts")
@@ -372,10 +367,8 @@ def _admission(argv: list[str]) -> int:
 
     from .admission import SMOKE, Settings, bench_admission, table
 
-    p = argparse.ArgumentParser(prog="pdserve bench admission",
-                                description="The edge at 3x what the decode pool serves, and "
-                                            "a tenant bursting at 10x another's rate: with "
-                                            "admission control, then with --no-admission.")
+    p = _parser("admission", "The edge at 3x what the decode pool serves, and a tenant bursting at "
+                "10x another's rate: with admission control, then with --no-admission.")
     p.add_argument("--backend", choices=["real", "synthetic"], default=None,
                    help="real: pdserve up with the tiny model (default); synthetic: the "
                         "edge and router in front of a synthetic engine (seconds)")
