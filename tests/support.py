@@ -2,6 +2,7 @@
 raw HTTP exchanges."""
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from pdserve import launch
 from pdserve.bench.deployments import free_port, free_port_run, metric_sum  # noqa: F401 (one source)
-from pdserve.launch import Child
+from pdserve.launch import Child, ChildFailed
 from pdserve.netaddr import split_hostport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,17 +67,37 @@ def raw_exchange(url: str, data: bytes, timeout: float = 5) -> RawAnswer | None:
     return RawAnswer(version, int(status), headers, body[:length])
 
 
+@contextlib.contextmanager
+def _as_test_failure():
+    """A child that failed a wait fails the test as an assert does (AssertionError, which
+    some callers catch to retry)."""
+    try:
+        yield
+    except ChildFailed as e:
+        raise AssertionError(str(e)) from None
+
+
 class Proc(Child):
     """A child process run from the repository's root, its output kept as lines readable
-    while it runs (pdserve.launch.Child)."""
+    while it runs (pdserve.launch.Child); a wait that fails raises AssertionError."""
 
     def __init__(self, cmd: list[str], env: dict | None = None, name: str = ""):
         super().__init__(cmd, env, name=name, output="lines", cwd=ROOT)
 
+    def wait_for(self, text: str, timeout: float, since: int = 0,
+                 fatal: str | None = None) -> None:
+        with _as_test_failure():
+            super().wait_for(text, timeout, since, fatal)
+
+    def wait_listening(self, port: int, timeout: float = 10) -> None:
+        with _as_test_failure():
+            super().wait_listening(port, timeout)
+
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM, wait; SIGKILL the session if it does not stop (and fail). Returns the
         exit code. What it leaves behind when it stops in time is left, for a test to see."""
-        return super().stop(grace=timeout)
+        with _as_test_failure():
+            return super().stop(grace=timeout)
 
 
 def stop_all(procs: list[Proc], timeout: float = 60) -> None:
@@ -184,4 +205,5 @@ def http_status(url: str) -> int:
 def wait_http(url: str, proc: Proc, timeout: float) -> None:
     """Block until GET `url` is 200; fail with `proc`'s log tail when it exits or the
     time runs out."""
-    launch.wait_healthy([url], [proc], timeout)
+    with _as_test_failure():
+        launch.wait_healthy([url], [proc], timeout)
