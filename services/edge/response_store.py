@@ -39,6 +39,10 @@ class ResponseStore(Protocol):
         changes); readers on other replicas see it once it is stored."""
         ...
 
+    async def stored(self, response_id: str) -> None:
+        """Wait until the record's last write is where every replica reads it."""
+        ...
+
     async def get(self, response_id: str, owner: str) -> dict | None:
         """The record, or None when unknown, expired or not `owner`'s."""
         ...
@@ -69,6 +73,9 @@ class MemoryResponses:
         now = time.monotonic()
         while self.records and next(iter(self.records.values()))[0] < now:
             self.records.popitem(last=False)
+
+    async def stored(self, response_id: str) -> None:
+        return None                             # one process: stored when put
 
     async def get(self, response_id: str, owner: str) -> dict | None:
         return self.find(response_id, owner)
@@ -125,6 +132,13 @@ class RedisResponses:
             for response_id, record in batch.items():
                 if self.pending.get(response_id) is record:
                     del self.pending[response_id]
+
+    async def stored(self, response_id: str) -> None:
+        # Bounded: with Redis away the response still runs, and this replica answers.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                while response_id in self.pending and self._writing is not None:
+                    await asyncio.shield(self._writing)
 
     async def get(self, response_id: str, owner: str) -> dict | None:
         record = self.pending.get(response_id)

@@ -93,6 +93,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await edge.stream_response(request, ENDPOINT, live, headers, plain=True)
     if req.background:
+        # Its id reaches the client only once any replica can look it up.
+        await request.app[RESPONSES].stored(rid)
         return web.json_response(renderer.response, headers=headers)
     return await _whole(request, live, renderer, headers)
 
