@@ -169,3 +169,28 @@ async def test_unknown_and_bad_fields_are_refused_by_name(stack):
         assert status == 400 and resp["error"]["param"] == "text.format.type"
         status, resp = await post(http, stack, input=[{"type": "image", "url": "x"}])
         assert status == 400 and resp["error"]["param"] == "input[0].type"
+
+
+async def test_a_dead_decode_worker_moves_the_response_without_a_gap(model_dir):
+    async with edge_stack(model_dir, rate=50.0, engines=2) as stack:
+        request = {"model": stack.model, "input": "hi", "max_output_tokens": 40,
+                   "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.url}/v1/responses", json=request) as r:
+                raw, killed = "", False
+                async for piece in r.content.iter_any():
+                    raw += piece.decode()
+                    if not killed and raw.count("output_text.delta") >= 5:
+                        [dead] = [s for e, s in stack.engines if e.running]
+                        await dead.stop(0)
+                        killed = True
+            events = events_of(raw)
+            rid = events[0]["response"]["id"]
+            async with http.get(f"{stack.url}/v1/responses/{rid}?stream=true") as r:
+                assert events_of(await r.text()) == events
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] == "response.incomplete"
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        stamps = read_stamps(text)
+        assert len(stamps) > 5 and stamps == sorted(set(stamps))    # none lost to the move
+        assert stack.metrics.migrations.labels(stack.model)._value.get() == 1
