@@ -176,20 +176,31 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     if after is not None and events is not None and after >= events:
         raise oai.APIError(400, f"the response has events 0 to {events - 1}; cannot resume "
                            f"after {after}", param="starting_after")
-    cfg = request.app[edge.CONFIG]
-    try:
-        reader = await request.app[edge.STREAMS].read(rid, 0 if after is None else after + 1,
-                                                      None, request[edge.CALLER].key_id)
-    except StreamGone:
-        raise oai.APIError(404, f"the events of response '{rid}' are no longer kept",
-                           type="invalid_request_error", param="response_id",
-                           code="events_gone") from None
-    except (EventsGone, BadPosition) as e:
-        raise oai.APIError(400, str(e).replace("event", "sequence number"),
-                           param="starting_after") from None
+    reader = await _reader(request, rid, 0 if after is None else after + 1)
     request.app[edge.METRICS].stream_resumes.labels("sse").inc()
     return await sse.relay(request, reader, {"x-request-id": rid},
-                                stall_seconds=cfg.stream_stall_seconds, plain=True)
+                           stall_seconds=request.app[edge.CONFIG].stream_stall_seconds,
+                           plain=True)
+
+
+async def _reader(request: web.Request, rid: str, after: int):
+    """A reader of the response's log after event `after`. The record says the response
+    exists; its log may still be on its way into the shared store (mirrored after the
+    events went out on the replica that runs it): wait a moment for it."""
+    deadline = asyncio.get_running_loop().time() + SETTLE_SECONDS
+    while True:
+        try:
+            return await request.app[edge.STREAMS].read(rid, after, None,
+                                                        request[edge.CALLER].key_id)
+        except StreamGone:
+            if asyncio.get_running_loop().time() > deadline:
+                raise oai.APIError(404, f"the events of response '{rid}' are no longer kept",
+                                   type="invalid_request_error", param="response_id",
+                                   code="events_gone") from None
+        except (EventsGone, BadPosition) as e:
+            raise oai.APIError(400, str(e).replace("event", "sequence number"),
+                               param="starting_after") from None
+        await asyncio.sleep(0.05)
 
 
 async def _settled(request: web.Request, rid: str) -> dict:
