@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.bench.synthetic import read_stamps
 from support import parse_sse
+from pdserve.services.edge.app import ORCH
 from synthetic_stack import edge_stack
 
 KEYS = "sk-alice alice normal\nsk-bob bob normal\n"
@@ -194,3 +195,25 @@ async def test_a_dead_decode_worker_moves_the_response_without_a_gap(model_dir):
         stamps = read_stamps(text)
         assert len(stamps) > 5 and stamps == sorted(set(stamps))    # none lost to the move
         assert stack.metrics.migrations.labels(stack.model)._value.get() == 1
+
+
+async def test_a_chain_is_routed_under_its_first_response_id(stack):
+    """previous_response_id makes the chain's first id the session key of every turn
+    (the router keeps a session's turns on the worker holding their KV); a
+    prompt_cache_key names the key instead."""
+    router, sessions = stack.app[ORCH].router, []
+    route = router.Route
+
+    async def recording(request, timeout=None):
+        sessions.append(request.session_id)
+        return await route(request, timeout=timeout)
+    router.Route = recording
+    async with aiohttp.ClientSession() as http:
+        ids = []
+        for turn in range(4):
+            _, resp = await post(http, stack, max_tokens=3, input=f"turn {turn}",
+                                 previous_response_id=ids[-1] if ids else None)
+            ids.append(resp["id"])
+        _, other = await post(http, stack, max_tokens=3)
+        _, keyed = await post(http, stack, max_tokens=3, prompt_cache_key="my-agent")
+    assert sessions == [ids[0]] * 4 + [other["id"], "my-agent"]
