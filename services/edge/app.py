@@ -280,9 +280,10 @@ def _generation_ended(app: web.Application, run: AdmittedGeneration) -> None:
 
 
 async def stream_response(request: web.Request, endpoint: str, live: LiveStream,
-                           headers: dict, plain: bool) -> web.StreamResponse:
+                           headers: dict, plain: bool, typed: bool = False
+                           ) -> web.StreamResponse:
     """The client that asked reads its stream from the start, as SSE (`plain`:
-    OpenAI's framing, else the resumable one)."""
+    OpenAI's framing, else the resumable one; `typed`: the Responses API's)."""
     metrics, status = request.app[METRICS], "200"
     stream = live.generation.stream
     span = telemetry.span("stream", parent=stream.span, attributes={
@@ -296,7 +297,8 @@ async def stream_response(request: web.Request, endpoint: str, live: LiveStream,
             headers[STREAM_TOKEN] = token
         return await sse.relay(request, reader, headers,
                                stall_seconds=cfg.stream_stall_seconds, live=live,
-                               on_cut=metrics.streams_cut.labels("sse").inc, plain=plain)
+                               on_cut=metrics.streams_cut.labels("sse").inc, plain=plain,
+                               typed=typed)
     except oai.APIError as e:
         status = str(e.status)
         return error_response(e, headers | {"x-pdserve-path": stream.path})

@@ -91,7 +91,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     headers = {"x-pdserve-placement": stream.stats.placed.placement,
                "x-pdserve-worker": stream.decode_worker, "x-request-id": rid, **rate_headers}
     if req.stream:
-        return await edge.stream_response(request, ENDPOINT, live, headers, plain=True)
+        return await edge.stream_response(request, ENDPOINT, live, headers, plain=True,
+                                          typed=True)
     if req.background:
         # Its id reaches the client only once any replica can look it up.
         await request.app[RESPONSES].stored(rid)
@@ -180,7 +181,7 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     request.app[edge.METRICS].stream_resumes.labels("sse").inc()
     return await sse.relay(request, reader, {"x-request-id": rid},
                            stall_seconds=request.app[edge.CONFIG].stream_stall_seconds,
-                           plain=True)
+                           plain=True, typed=True)
 
 
 async def _reader(request: web.Request, rid: str, after: int):

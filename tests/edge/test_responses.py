@@ -46,6 +46,7 @@ async def test_a_streamed_response_sends_the_typed_events_in_order_numbered_from
     async with aiohttp.ClientSession() as http:
         status, raw = await post(http, stack, stream=True, max_tokens=12)
     assert status == 200
+    assert raw.startswith("event: response.created\ndata: {") and "[DONE]" not in raw
     events = events_of(raw)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
