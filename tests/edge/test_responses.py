@@ -218,3 +218,30 @@ async def test_a_chain_is_routed_under_its_first_response_id(stack):
         _, other = await post(http, stack, max_tokens=3)
         _, keyed = await post(http, stack, max_tokens=3, prompt_cache_key="my-agent")
     assert sessions == [ids[0]] * 4 + [other["id"], "my-agent"]
+
+
+async def test_a_preempted_response_pauses_and_goes_on_without_a_gap(model_dir, tmp_path,
+                                                                     monkeypatch):
+    """Two background responses of one tenant hold both slots; another tenant's request
+    takes one back at once; the preempted response ends with all its events, in order."""
+    import pdserve.services.edge.admission as admission
+    monkeypatch.setattr(admission, "USE_SECONDS", 0.05)     # heavy is heavy at once
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    async with edge_stack(model_dir, rate=200.0, capacity=2, api_keys_file=str(keys),
+                          admission_wait_seconds=10.0) as stack:
+        await stack.until(lambda: stack.admission.capacity == 2)
+        async with aiohttp.ClientSession() as http:
+            ids = [(await post(http, stack, max_tokens=100, background=True))[1]["id"]
+                   for _ in range(2)]
+            await asyncio.sleep(0.1)
+            status, resp = await post(http, stack, headers=BOB, max_tokens=5)
+            assert status == 200 and resp["status"] == "incomplete"
+            for rid in ids:
+                async with http.get(f"{stack.url}/v1/responses/{rid}?stream=true",
+                                    headers=ALICE) as r:
+                    events = events_of(await r.text())
+                assert [e["sequence_number"] for e in events] == list(range(len(events)))
+                assert events[-1]["type"] == "response.incomplete"
+        assert stack.metrics.preemptions._value.get() == 1
+        assert any("-p" in rid for rid in stack.engine.requests)   # a leg went on after it
