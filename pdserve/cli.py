@@ -123,6 +123,7 @@ EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queu
               "admission_wait_seconds", "drain_seconds",
               "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
               "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds",
+              "response_ttl_seconds",
               "prefill_timeout_seconds", "prefill_attempts", "decode_stall_seconds",
               "decode_first_token_seconds", "max_migrations", "decode_calls",
               "decode_window_bytes", "first_token", "tool_call_parser")
@@ -163,6 +164,9 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                    help="a reader whose writes are blocked this long is cut off")
     g.add_argument("--sse-keepalive-seconds", type=float, default=d.sse_keepalive_seconds,
                    help="an idle SSE stream gets a comment line this often")
+    g.add_argument("--response-ttl-seconds", type=float, default=d.response_ttl_seconds,
+                   help="a /v1/responses response is kept this long (for GET and "
+                        "previous_response_id), where stream logs live")
     g = p.add_argument_group("faults (edge)")
     g.add_argument("--prefill-timeout-seconds", type=float, default=d.prefill_timeout_seconds,
                    help="a prefill leg slower than this is aborted and tried on another "

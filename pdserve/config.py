@@ -233,6 +233,8 @@ class EdgeConfig:
     stream_max_events: int = 4096
     stream_stall_seconds: float = 10.0   # a reader blocked this long is cut off
     sse_keepalive_seconds: float = 15.0
+    # Responses (/v1/responses) kept for GET and previous_response_id, in the stream store.
+    response_ttl_seconds: float = 3600.0
     # Faults (services/edge/moves.py): a failing worker costs a retry, not a stream.
     prefill_timeout_seconds: float = 30.0   # a slower prefill is tried on another worker
     prefill_attempts: int = 2               # prefill workers tried before local prefill
@@ -273,6 +275,7 @@ class EdgeConfig:
                              f"got {self.stream_store!r}")
         for name in ("stream_resume_seconds", "stream_ttl_seconds", "stream_stall_seconds",
                      "sse_keepalive_seconds", "stream_max_events", "admission_wait_seconds",
+                     "response_ttl_seconds",
                      "max_request_bytes", "drain_seconds", "prefill_timeout_seconds",
                      "prefill_attempts", "decode_stall_seconds", "decode_first_token_seconds",
                      "decode_exclude_seconds", "decode_place_wait_seconds"):

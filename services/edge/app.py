@@ -63,7 +63,7 @@ POOL_READ_SECONDS = (1.0, 0.1)      # admission's readings: a lone idle edge; sh
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
-def _error_response(e: oai.APIError, headers: dict | None = None) -> web.Response:
+def error_response(e: oai.APIError, headers: dict | None = None) -> web.Response:
     headers = {**(headers or {}), **e.headers}
     if e.status in (429, 503):
         # Overload and "no worker serves" pass; clients back off instead of hammering.
@@ -100,16 +100,16 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except oai.APIError as e:
-        return _error_response(e)
+        return error_response(e)
     except web.HTTPRequestEntityTooLarge:
-        return _error_response(oai.APIError(
+        return error_response(oai.APIError(
             413, f"the request body is over {request.app[CONFIG].max_request_bytes} bytes",
             code="request_too_large"))
     except web.HTTPException as e:
         if e.status < 400:
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return _error_response(oai.APIError(e.status, e.reason, type=kind))
+        return error_response(oai.APIError(e.status, e.reason, type=kind))
 
 
 def _sampling(req: oai.CompletionRequest, max_tokens: int, index: int = 0
@@ -163,18 +163,19 @@ def _budget(request: web.Request, cfg: EdgeConfig) -> float:
     return min(int(raw) / 1000, cfg.request_timeout_seconds)
 
 
-async def begin(request: web.Request, kind: oai.Kind, raw: bytes
-                ) -> tuple[oai.CompletionRequest, list[AdmittedGeneration], dict]:
+async def begin(request: web.Request, kind: oai.Kind, raw: bytes, endpoint: str = "",
+                parse=None) -> tuple[oai.CompletionRequest, list[AdmittedGeneration], dict]:
     """Validate, tokenize, route and prefill one request (HTTP or WebSocket): a
     generation per choice (`n`), and the rate limits' headers; raises APIError
-    (counted) when it cannot start."""
+    (counted under `endpoint`, default the kind's) when it cannot start. `parse(raw)`:
+    the request's own parser (default: the kind's OpenAI request)."""
     cfg, metrics = request.app[CONFIG], request.app[METRICS]
     started = time.perf_counter()
     rid = oai.completion_id(kind)
     runs: list[AdmittedGeneration] = []
     try:
         deadline = time.monotonic() + _budget(request, cfg)
-        req = oai.parse_request(kind, raw, {cfg.name})
+        req = parse(raw) if parse else oai.parse_request(kind, raw, {cfg.name})
         keep = req.truncate_prompt_tokens
         ids = request.app[ENCODER].encode(req, cfg.max_model_len if keep == -1 else keep)
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
@@ -190,7 +191,7 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
         for run in runs:                    # choices placed before one failed
             _generation_ended(request.app, run)
         if isinstance(e, oai.APIError):
-            metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
+            metrics.requests.labels(endpoint or _ENDPOINT[kind], "none", str(e.status)).inc()
         raise
     return req, runs, rate_headers
 
@@ -256,7 +257,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
                "x-pdserve-worker": stream.decode_worker, "x-request-id": stream.gen.request_id,
                QUEUE_HEADER: f"{run.ticket.waited * 1000:.1f}", **rate_headers}
     if req.stream:
-        return await _stream_response(request, _ENDPOINT[kind],
+        return await stream_response(request, _ENDPOINT[kind],
                                       start_stream(request, req, runs), headers, plain)
     status = "200"
     try:
@@ -264,7 +265,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         return web.json_response(body, headers=headers | {"x-pdserve-path": stream.path})
     except oai.APIError as e:
         status = str(e.status)
-        return _error_response(e, headers | {"x-pdserve-path": stream.path})
+        return error_response(e, headers | {"x-pdserve-path": stream.path})
     except (asyncio.CancelledError, ConnectionResetError):
         status = "499"  # the client went away; leaving here cancels the decode call
         raise
@@ -278,10 +279,11 @@ def _generation_ended(app: web.Application, run: AdmittedGeneration) -> None:
     run.end(app[METRICS], app[CONFIG].name)
 
 
-async def _stream_response(request: web.Request, endpoint: str, live: LiveStream,
-                           headers: dict, plain: bool) -> web.StreamResponse:
+async def stream_response(request: web.Request, endpoint: str, live: LiveStream,
+                           headers: dict, plain: bool, typed: bool = False
+                           ) -> web.StreamResponse:
     """The client that asked reads its stream from the start, as SSE (`plain`:
-    OpenAI's framing, else the resumable one)."""
+    OpenAI's framing, else the resumable one; `typed`: the Responses API's)."""
     metrics, status = request.app[METRICS], "200"
     stream = live.generation.stream
     span = telemetry.span("stream", parent=stream.span, attributes={
@@ -295,10 +297,11 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
             headers[STREAM_TOKEN] = token
         return await sse.relay(request, reader, headers,
                                stall_seconds=cfg.stream_stall_seconds, live=live,
-                               on_cut=metrics.streams_cut.labels("sse").inc, plain=plain)
+                               on_cut=metrics.streams_cut.labels("sse").inc, plain=plain,
+                               typed=typed)
     except oai.APIError as e:
         status = str(e.status)
-        return _error_response(e, headers | {"x-pdserve-path": stream.path})
+        return error_response(e, headers | {"x-pdserve-path": stream.path})
     except (asyncio.CancelledError, ConnectionResetError):
         status = "499"  # gone; the generation waits a while for it to resume
         raise
@@ -466,4 +469,6 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    from . import responses_api                 # it reads this module's keys and steps
+    responses_api.add_routes(app)
     return app
