@@ -13,6 +13,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -493,8 +494,15 @@ def main(argv: list[str] | None = None) -> None:
     elif a.command in ("prefill", "decode"):
         _engine_env(cfg, a.cpus)
         _tracing(a.command)
+        from pdserve.services.worker.engine_watch import EXIT_ENGINE_DEAD, EngineDied
         from pdserve.services.worker.main import serve_worker
-        _run(serve_worker(cfg))
+        try:
+            _run(serve_worker(cfg))
+        except EngineDied as e:
+            # At once: vLLM's exit handlers would wait on an engine that is gone.
+            logging.getLogger("pdserve.worker").error("%s; exiting", e)
+            logging.shutdown()
+            os._exit(EXIT_ENGINE_DEAD)
     elif a.command == "edge":
         _pin(a.cpus)
         _gateway_grpc_env()

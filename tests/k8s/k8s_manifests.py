@@ -212,6 +212,7 @@ def parse(container: Container) -> Process:
     from smg_grpc_proto import vllm_engine_pb2
 
     from pdserve.cli import _config, _parser
+    from pdserve.services.worker.engine_watch import ENGINE_ALIVE
     from pdserve.v1 import inference_pb2, router_pb2, transfer_pb2
 
     argv = container.argv
@@ -230,7 +231,7 @@ def parse(container: Container) -> Process:
                        stop_grace=2.0)
     if a.command in ("prefill", "decode"):
         # services/worker/main.py: the engine protocol, plus the lease service on prefill.
-        names = {"", full(vllm_engine_pb2, "VllmEngine")}
+        names = {"", full(vllm_engine_pb2, "VllmEngine"), ENGINE_ALIVE}
         if a.command == "prefill":
             names.add(full(transfer_pb2, "KVTransfer"))
         listens = {"grpc": a.port, "kv": a.kv_port}

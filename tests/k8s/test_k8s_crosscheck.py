@@ -19,6 +19,7 @@ from k8s_manifests import (
 )
 
 from pdserve.services.edge.openapi import SPEC
+from pdserve.services.worker.engine_watch import ENGINE_ALIVE
 
 SERVING = ("edge", "router", "prefill", "decode")
 
@@ -64,9 +65,9 @@ def test_probes_reach_served_ports_and_registered_health_services(overlay):
             else:
                 assert c.port(probe["tcpSocket"]["port"]) in proc.listens.values(), where
         if proc.command in ("prefill", "decode"):
-            # A draining worker sets every health service NOT_SERVING: liveness must not
-            # be one of them, or the kubelet would kill it mid-drain.
-            assert "tcpSocket" in c.spec["livenessProbe"], name
+            # A draining worker sets every service's health NOT_SERVING: liveness must ask
+            # the name only a dead engine fails, or the kubelet would kill it mid-drain.
+            assert c.spec["livenessProbe"]["grpc"]["service"] == ENGINE_ALIVE, name
             assert "grpc" in c.spec["startupProbe"], name
 
 
