@@ -358,6 +358,16 @@ def _long_stream(pool) -> urllib.request.Request:
                                   headers={"Content-Type": "application/json"})
 
 
+def _sse_events(response):
+    """The JSON events of an SSE response, up to its [DONE]."""
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        if line.strip() == b"data: [DONE]":
+            return
+        yield json.loads(line[6:])
+
+
 def _watch_health(address: str, service: str, seen: list) -> threading.Thread:
     """Follows `service`'s gRPC health on `address` into `seen` ((status name, when)),
     until the server goes away."""
@@ -400,12 +410,8 @@ def test_a_decode_worker_whose_engine_core_dies_exits_and_its_stream_moves(pool)
         worker_id = r.headers["x-pdserve-worker"]
         worker = _worker(pool, worker_id)
         watcher = _watch_health(pool["decode_grpc"][worker_id], ENGINE_ALIVE, health)
-        for line in r:
-            if not line.startswith(b"data: "):
-                continue
-            if line.strip() == b"data: [DONE]":
-                break
-            events.append(json.loads(line[6:]))
+        for event in _sse_events(r):
+            events.append(event)
             if len(events) == 5:
                 _engine_core(worker).kill()
                 killed = time.monotonic()
@@ -434,12 +440,8 @@ def test_a_sigtermed_decode_worker_finishes_its_stream_then_exits(pool):
     with urllib.request.urlopen(req, timeout=120) as r:
         worker_id = r.headers["x-pdserve-worker"]
         worker = _worker(pool, worker_id)
-        for line in r:
-            if not line.startswith(b"data: "):
-                continue
-            if line.strip() == b"data: [DONE]":
-                break
-            events.append(json.loads(line[6:]))
+        for event in _sse_events(r):
+            events.append(event)
             if len(events) == 1:
                 signalled = time.monotonic()
                 worker.send_signal(signal.SIGTERM)             # the worker alone, as k8s does
