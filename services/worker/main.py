@@ -18,6 +18,7 @@ import prometheus_client
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.cluster_token import read_token
 from pdserve.config import WorkerConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.netaddr import hostport
@@ -46,6 +47,7 @@ _ROLES = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER
 async def serve_worker(cfg: WorkerConfig) -> None:
     """Build the engine; serve vLLM's `VllmEngine` (and gRPC health, reflection) on
     one port; stay registered with the router until signalled."""
+    token = read_token(cfg.cluster_token_file)     # a bad file fails before the engine loads
     if cfg.kv:
         check_side_channel(cfg.kv)    # a taken port would hang the engine's start
     engine = VllmEngine(cfg.engine, cfg.role, cfg.kv)
@@ -87,7 +89,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
                                  model=cfg.engine.name, serving=True,
                                  continues_prefill=continues)
     freeze_startup_heap()
-    registration = RouterRegistration(cfg.router, info, cfg.heartbeat_seconds)
+    registration = RouterRegistration(cfg.router, info, cfg.heartbeat_seconds, token)
     registration.start()
     log.info("%s worker %s serving on %s", cfg.role, worker_id, address)
     died = False
