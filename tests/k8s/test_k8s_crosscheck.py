@@ -216,7 +216,8 @@ def test_pods_are_labelled_unprivileged_and_reference_what_exists(overlay):
     device_tag = {"cpu": "cpu", "cuda": "gpu"}[config["PDSERVE_DEVICE"]]
     names = {k: set(by_kind(docs, k)) for k in ("ConfigMap", "Secret",
                                                 "PersistentVolumeClaim")}
-    operator_made = {"pdserve-api-keys"}           # docs/operations.md: kubectl create secret
+    # docs/operations.md: kubectl create secret
+    operator_made = {"pdserve-api-keys", "pdserve-cluster-token"}
     for name, pod in pods(docs).items():
         labels = pod.labels
         assert labels["app.kubernetes.io/name"] == labels["app.kubernetes.io/part-of"] == "pdserve"
