@@ -240,8 +240,11 @@ def parse(container: Container) -> Process:
         # after the drain: server stop grace 1 s, then the engine's shutdown (~10 s)
         return Process(a.command, a, listens, frozenset(names), a.drain_seconds, 11.0)
     if a.command == "edge":
+        # after the drain: every shutdown timeout of services/edge/server.py
+        from pdserve.services.edge.server import stop_budget
         return Process("edge", a, {"http": a.port, "grpc": a.grpc_port},
-                       frozenset({"", full(inference_pb2, "Inference")}), a.drain_seconds, 1.0)
+                       frozenset({"", full(inference_pb2, "Inference")}), a.drain_seconds,
+                       stop_budget(0))
     return Process(a.command, a, {}, frozenset())
 
 
