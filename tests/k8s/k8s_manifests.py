@@ -31,6 +31,10 @@ CUSTOM_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): K8S / "schemas" / "keda.sh_scaledobject_v1alpha1.json",
     ("inference.networking.k8s.io/v1", "InferencePool"):
         K8S / "schemas" / "inference.networking.k8s.io_inferencepool_v1.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"):
+        K8S / "schemas" / "monitoring.coreos.com_podmonitor_v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"):
+        K8S / "schemas" / "monitoring.coreos.com_prometheusrule_v1.json",
 }
 POD_IP = "10.1.2.3"             # what the downward API gives, for parsing only
 

@@ -283,3 +283,40 @@ def test_dockerfile_builds_the_extras_the_manifests_run():
     for overlay in OVERLAYS:
         for pod in pods(render(overlay)).values():
             assert pod.spec["securityContext"]["runAsUser"] == user
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions In/NotIn/Exists) matches."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        value = labels.get(e["key"])
+        if (e["operator"] == "In" and value not in e["values"]
+                or e["operator"] == "NotIn" and value in e["values"]
+                or e["operator"] == "Exists" and value is None):
+            return False
+    return True
+
+
+def test_the_prometheus_operator_scrapes_every_metrics_port():
+    """Every port a pdserve process serves /metrics on (the workers' and the router's
+    --metrics-port, the edge's HTTP port) is a PodMonitor endpoint, with the path the
+    process serves; every PodMonitor endpoint is such a port (h100 runs the Operator)."""
+    docs = render("h100")
+    monitors = by_kind(docs, "PodMonitor")
+    scraped = {}                        # component -> {(port number, path)}
+    for monitor in monitors.values():
+        chosen = [(n, pod) for n, (pod, _) in _processes(docs).items()
+                  if _selects(monitor["spec"]["selector"], pod.labels)]
+        assert chosen, f"PodMonitor {monitor['metadata']['name']} selects no pod"
+        for name, pod in chosen:
+            for ep in monitor["spec"]["podMetricsEndpoints"]:
+                scraped.setdefault(name, set()).add((pod.main.port(ep["port"]), ep["path"]))
+    for name, (pod, proc) in _processes(docs).items():
+        served = ({(proc.listens["http"], "/metrics")} if name == "edge"
+                  else {(proc.listens["metrics"], "/metrics")})
+        assert scraped.get(name) == served, (name, scraped.get(name), served)
+        # ... and for a Prometheus without the Operator, the same port in the annotations.
+        annotations = pod.template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", name
+        assert int(annotations["prometheus.io/port"]) in {p for p, _ in served}, name
