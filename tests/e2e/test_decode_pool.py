@@ -405,7 +405,7 @@ def test_a_decode_worker_whose_engine_core_dies_exits_and_its_stream_moves(pool)
     _wait_whole(pool)
     moved = metric_sum(f"{pool['url']}/metrics", "pdserve:migrations_total")
     req = _long_stream(pool)
-    events, health, killed, mark = [], [], None, len(pool["proc"].lines)
+    events, health, exits, killed, mark = [], [], [], None, len(pool["proc"].lines)
     with urllib.request.urlopen(req, timeout=120) as r:
         worker_id = r.headers["x-pdserve-worker"]
         worker = _worker(pool, worker_id)
@@ -415,9 +415,15 @@ def test_a_decode_worker_whose_engine_core_dies_exits_and_its_stream_moves(pool)
             if len(events) == 5:
                 _engine_core(worker).kill()
                 killed = time.monotonic()
+                # Timed apart from the stream, which goes on elsewhere meanwhile (its
+                # exit code is the supervisor's to read, below).
+                exit_watch = threading.Thread(target=lambda: (worker.wait(timeout=15),
+                                                              exits.append(time.monotonic())))
+                exit_watch.start()
     assert killed, "the stream ended before the engine core was killed"
-    worker.wait(timeout=10)                 # its code is the supervisor's to read (below)
-    exited = time.monotonic() - killed
+    exit_watch.join(timeout=15)
+    assert exits, "the worker did not exit"
+    exited = exits[0] - killed
     assert exited <= 5, exited
     watcher.join(timeout=5)
     assert [s for s, _ in health] == ["SERVING", "NOT_SERVING"], health
