@@ -38,6 +38,7 @@ from .openapi import SPEC
 from .limits import RateLimits
 from .generation import Generation
 from .orchestrator import Orchestrator
+from .picker_series import PickerSeries
 from .pool_view import PoolView
 from .prompts import PromptEncoder
 from .stream_log import BadPosition, EventsGone, StreamGone
@@ -57,6 +58,7 @@ CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came wi
 LIMITS = web.AppKey("limits", RateLimits)
 ADMISSION = web.AppKey("admission", Admission)
 POOL = web.AppKey("pool", PoolView)             # the last reading of the router's workers
+PICKER = web.AppKey("picker", PickerSeries)     # what an InferencePool's picker scores
 STREAM_ID = "x-pdserve-stream-id"
 STREAM_TOKEN = "x-pdserve-stream-token"    # reads that stream without the key (keys.py)
 TIMEOUT_HEADER = "x-pdserve-timeout-ms"
@@ -411,6 +413,7 @@ async def _read_pool(app: web.Application):
             view.failed(e.code().name)  # the router is away: the view stands meanwhile
             return
         view.observe(pool.workers)
+        app[PICKER].update(admission.queued, admission.in_flight, pool.workers)
         if app[CONFIG].admission:
             admission.observe(pool_capacity(pool.workers, common_pb2.WORKER_ROLE_DECODE),
                               pool.admitted_elsewhere)
@@ -440,6 +443,7 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[ADMISSION] = Admission(cfg, app[METRICS])
     app[POOL] = PoolView()
+    app[PICKER] = PickerSeries(app[METRICS].registry, cfg.name)
     app.cleanup_ctx.append(_read_pool)
 
     def ended(live: LiveStream) -> None:
