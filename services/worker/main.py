@@ -26,6 +26,7 @@ from pdserve.rpc import Server
 from pdserve.v1 import common_pb2, router_pb2
 from pdserve.transfer.connector import check_side_channel, continues_prefill
 from pdserve.transfer.params import CONTINUES_PREFILL
+from pdserve.transfer.ucx_transport import detect as detect_ucx
 from pdserve.transfer.service import SERVICE_NAME as LEASE_SERVICE
 from pdserve.transfer.service import KVTransferService
 from pdserve.transfer.service import add_to_server as add_lease_service
@@ -50,6 +51,9 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     token = read_token(cfg.cluster_token_file)     # a bad file fails before the engine loads
     if cfg.kv:
         check_side_channel(cfg.kv)    # a taken port would hang the engine's start
+        transport = detect_ucx()
+        (log.warning if transport.degraded else log.info)(
+            "KV plane: UCX transport %s (%s)", transport.name, transport.why)
     engine = VllmEngine(cfg.engine, cfg.role, cfg.kv)
     servicer = WorkerEngineServicer(engine, cfg.worker_id)
 
