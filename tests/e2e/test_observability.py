@@ -297,7 +297,9 @@ def _queries() -> dict[str, str]:
 
 def test_every_series_autoscaling_alerts_and_dashboards_query_is_served(stack):
     """A query on a series no process serves is empty: an autoscaler that never fires,
-    an alert that never rings. Each one names only series the live stack serves."""
+    an alert that never rings. Each one names only series the live stack serves (after
+    one request: a labelled series appears with its first event)."""
+    _stream_chat(stack, salt="series")
     served = _served(stack)
     queries = _queries()
     assert sum(k.startswith("ScaledObject") for k in queries) >= 3
