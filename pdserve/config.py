@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve import routers
 from pdserve.netaddr import split_hostport
 
 
@@ -156,10 +157,12 @@ class WorkerConfig:
     heartbeat_seconds: float = 2.0
     metrics_port: int = 0                # the engine's vllm:* series over HTTP; 0 = off
     drain_seconds: float = 30.0          # SIGTERM: Generate calls in flight get this long
+    cluster_token_file: str = ""         # the token Register shows (pdserve/cluster_token.py)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        routers.parts(self.router)           # ValueError naming a bad entry
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         _check_positive("heartbeat_seconds", self.heartbeat_seconds)
@@ -184,6 +187,7 @@ class RouterConfig:
     local_cached_fraction: float = 0.8   # decode worker holds this much of the prompt: local
     prefill_saturated: int = 2           # requests in flight that make a prefill worker full; 0 off
     metrics_port: int = 0                # its pdserve:router_* series over HTTP; 0 = off
+    cluster_token_file: str = ""         # Register/Deregister must show its token; "" open
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -290,6 +294,8 @@ class EdgeConfig:
             raise ValueError("max_migrations must be >= 0")
         if self.decode_window_bytes < 0:
             raise ValueError("decode_window_bytes must be >= 0 (0: gRPC's own windows)")
+        if self.embedded_router is None:
+            routers.channel_target(self.router)      # ValueError naming a bad entry
         if self.decode_calls not in ("per-request", "batched"):
             raise ValueError(f"decode_calls must be per-request or batched, "
                              f"got {self.decode_calls!r}")

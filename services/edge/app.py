@@ -38,6 +38,8 @@ from .openapi import SPEC
 from .limits import RateLimits
 from .generation import Generation
 from .orchestrator import Orchestrator
+from .picker_series import PickerSeries
+from .pool_view import PoolView
 from .prompts import PromptEncoder
 from .stream_log import BadPosition, EventsGone, StreamGone
 from .streams import LiveStream, Streams, open_store
@@ -55,6 +57,8 @@ KEYS = web.AppKey("keys", KeyRing)
 CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came with
 LIMITS = web.AppKey("limits", RateLimits)
 ADMISSION = web.AppKey("admission", Admission)
+POOL = web.AppKey("pool", PoolView)             # the last reading of the router's workers
+PICKER = web.AppKey("picker", PickerSeries)     # what an InferencePool's picker scores
 STREAM_ID = "x-pdserve-stream-id"
 STREAM_TOKEN = "x-pdserve-stream-token"    # reads that stream without the key (keys.py)
 TIMEOUT_HEADER = "x-pdserve-timeout-ms"
@@ -373,26 +377,13 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 when the edge is not draining, the router answers and at least the minimum
-    prefill and decode workers serve ("degraded" when some worker it lists does not:
-    one dead worker must not take every edge out of its Service)."""
+    """From the edge's last reading of the pool, never a call to the router
+    (pool_view.py): 503 while draining or short of workers."""
     cfg = request.app[CONFIG]
     if request.app[ADMISSION].draining:
         return web.json_response({"status": "draining"}, status=503)
-    try:
-        workers = await request.app[ORCH].workers()
-    except grpc.aio.AioRpcError as e:
-        return web.json_response({"status": "unavailable", "reason": f"router: {e.code().name}"},
-                                 status=503)
-    listed = [{"worker_id": w.worker_id, "role": common_pb2.WorkerRole.Name(w.role),
-               "address": w.address, "serving": w.serving} for w in workers]
-    serving = {r: sum(1 for w in workers if w.serving and w.role == r)
-               for r in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE)}
-    ok = (serving[common_pb2.WORKER_ROLE_PREFILL] >= cfg.min_prefill_workers
-          and serving[common_pb2.WORKER_ROLE_DECODE] >= cfg.min_decode_workers)
-    status = ("unavailable" if not ok else
-              "ok" if all(w.serving for w in workers) else "degraded")
-    return web.json_response({"status": status, "workers": listed}, status=200 if ok else 503)
+    status, body = request.app[POOL].readiness(cfg.min_prefill_workers, cfg.min_decode_workers)
+    return web.json_response(body, status=status)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -407,27 +398,37 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _read_pool(app: web.Application):
-    """Keep admission's view of the decode pool fresh: its capacity, and what the
-    other edge replicas hold of it (each reading reports this edge's own counts to
-    the router; services/router/edges.py). 10 readings a second while requests
-    wait for room here, or while other edges share the pool (what one admits or
-    frees reaches the others within two readings); one a second otherwise, as a
-    lone edge (each reading is an RPC to the router)."""
-    admission = app[ADMISSION]
+    """Keep the edge's view of the pool fresh (what /health answers from), and
+    admission's: its capacity, and what the other edge replicas hold of it (each
+    reading reports this edge's own counts to the router; services/router/edges.py).
+    10 readings a second while requests wait for room here, or while other edges
+    share the pool (what one admits or frees reaches the others within two
+    readings); one a second otherwise. The first is taken before the edge serves."""
+    admission, view = app[ADMISSION], app[POOL]
     edge_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    pool = router_pb2.ListWorkersResponse()
+
+    async def read_once() -> None:
+        nonlocal pool
+        try:
+            pool = await app[ORCH].pool(edge_id, admission.in_flight)
+        except grpc.aio.AioRpcError as e:
+            view.failed(e.code().name)  # the router is away: the view stands meanwhile
+            return
+        view.observe(pool.workers)
+        app[PICKER].update(admission.queued, admission.in_flight, pool.workers)
+        if app[CONFIG].admission:
+            admission.observe(pool_capacity(pool.workers, common_pb2.WORKER_ROLE_DECODE),
+                              pool.admitted_elsewhere)
 
     async def read() -> None:
-        pool = router_pb2.ListWorkersResponse()
         while True:
-            try:
-                pool = await app[ORCH].pool(edge_id, admission.in_flight)
-                admission.observe(pool_capacity(pool.workers, common_pb2.WORKER_ROLE_DECODE),
-                                  pool.admitted_elsewhere)
-            except grpc.aio.AioRpcError:
-                pass                # the router is away: Route will say so per request
             shared = admission.queued or pool.edges > 1
             await asyncio.sleep(POOL_READ_SECONDS[bool(shared)])
-    task = asyncio.create_task(read(), name="pool-room")
+            await read_once()
+
+    await read_once()
+    task = asyncio.create_task(read(), name="pool-view")
     yield
     task.cancel()
 
@@ -444,8 +445,9 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app[ROUTER_METRICS] = router_metrics
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[ADMISSION] = Admission(cfg, app[METRICS])
-    if cfg.admission:                   # off: capacity stays unbounded, nothing to read
-        app.cleanup_ctx.append(_read_pool)
+    app[POOL] = PoolView()
+    app[PICKER] = PickerSeries(app[METRICS].registry, cfg.name)
+    app.cleanup_ctx.append(_read_pool)
 
     def ended(live: LiveStream) -> None:
         app[METRICS].streams_open.dec()

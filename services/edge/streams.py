@@ -220,10 +220,15 @@ class Streams:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
-    async def close(self) -> None:
-        """Cancel every live generation and wait for them to end."""
+    async def cut(self, reason: str) -> None:
+        """Cancel every live generation and wait for them to end (their readers get
+        the end, with `reason`)."""
         tasks = [live.task for live in self.live.values() if live.task is not None]
         for sid in list(self.live):
-            self.cancel(sid, "the edge is shutting down")
+            self.cancel(sid, reason)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel every live generation, wait for them to end, close the store."""
+        await self.cut("the edge is shutting down")
         await self.store.close()
