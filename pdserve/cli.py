@@ -13,6 +13,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -141,6 +142,7 @@ def _router_config(a: argparse.Namespace, host: str, port: int,
                         balance_slack=a.balance_slack,
                         local_cached_fraction=a.local_cached_fraction,
                         prefill_saturated=a.prefill_saturated, metrics_port=metrics_port,
+                        cluster_token_file=a.cluster_token_file,
                         static_workers=tuple([("prefill", w) for w in a.prefill_worker]
                                              + [("decode", w) for w in a.decode_worker]))
 
@@ -160,7 +162,8 @@ def _config(a: argparse.Namespace):
                                                 buffer_device=a.device),
                             host=a.host, port=a.port, advertise_host=a.advertise_host,
                             router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port,
-                            drain_seconds=a.drain_seconds)
+                            drain_seconds=a.drain_seconds,
+                            cluster_token_file=a.cluster_token_file)
     if a.command == "edge":
         if a.router != "embedded" and (a.prefill_worker or a.decode_worker):
             raise ValueError("--prefill-worker/--decode-worker name engines for a router "
@@ -210,8 +213,15 @@ def main(argv: list[str] | None = None) -> None:
     elif a.command in ("prefill", "decode"):
         _engine_env(cfg, a.cpus)
         _tracing(a.command)
+        from pdserve.services.worker.engine_watch import EXIT_ENGINE_DEAD, EngineDied
         from pdserve.services.worker.main import serve_worker
-        _run(serve_worker(cfg))
+        try:
+            _run(serve_worker(cfg))
+        except EngineDied as e:
+            # At once: vLLM's exit handlers would wait on an engine that is gone.
+            logging.getLogger("pdserve.worker").error("%s; exiting", e)
+            logging.shutdown()
+            os._exit(EXIT_ENGINE_DEAD)
     elif a.command == "edge":
         _pin(a.cpus)
         _gateway_grpc_env()

@@ -101,6 +101,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     _add_placement_flags(p)
     p.add_argument("--worker-timeout", type=float, default=RouterConfig().worker_timeout_seconds,
                    help="a worker silent this long is not offered requests")
+    p.add_argument("--cluster-token-file", default=_env("PDSERVE_CLUSTER_TOKEN_FILE", ""),
+                   help="a file holding the cluster token (e.g. a mounted Secret) that workers "
+                        "show when they register: a Register without it is refused "
+                        "(UNAUTHENTICATED); empty: no token")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {role} engine that does not register (any server of vLLM's "
@@ -112,6 +116,7 @@ EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queu
               "admission_wait_seconds", "drain_seconds",
               "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
               "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds",
+              "response_ttl_seconds",
               "prefill_timeout_seconds", "prefill_attempts", "decode_stall_seconds",
               "decode_first_token_seconds", "max_migrations", "decode_calls",
               "decode_window_bytes", "first_token", "tool_call_parser")
@@ -165,6 +170,8 @@ _STREAM_FLAGS = (
     ("--stream-max-events", int, "a stream's log keeps its last this many events"),
     ("--stream-stall-seconds", float, "a reader whose writes are blocked this long is cut off"),
     ("--sse-keepalive-seconds", float, "an idle SSE stream gets a comment line this often"),
+    ("--response-ttl-seconds", float, "a /v1/responses response is kept this long (for GET "
+                                      "and previous_response_id), where stream logs live"),
 )
 _FAULT_FLAGS = (
     ("--prefill-timeout-seconds", float, "a prefill leg slower than this is aborted and tried "
@@ -292,7 +299,13 @@ def add_worker(sub: argparse._SubParsersAction, role: str) -> None:
     w.add_argument("--port", type=int, default=0)
     w.add_argument("--advertise-host", type=unbracketed, default="",
                    help="address others dial (default --host)")
-    w.add_argument("--router", default="127.0.0.1:50051")
+    w.add_argument("--router", default="127.0.0.1:50051",
+                   help="the router's HOST:PORT; several replicas as a comma-separated "
+                        "list or dns:///NAME:PORT (every address NAME resolves to): the "
+                        "worker registers with each")
+    w.add_argument("--cluster-token-file", default=_env("PDSERVE_CLUSTER_TOKEN_FILE", ""),
+                   help="a file holding the cluster token this worker shows when it "
+                        "registers (the routers' --cluster-token-file); empty: none")
     w.add_argument("--worker-id", default="")
     _add_kv_flags(w, "NIXL side-channel port",
                   "pull: the decode engine READs the blocks; push: the prefill "
@@ -314,7 +327,9 @@ def add_edge(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
     e.add_argument("--grpc-port", type=int, default=50081, help="internal Inference gRPC API")
     e.add_argument("--router", default="127.0.0.1:50051",
-                   help="the router's HOST:PORT, or `embedded`: run it in this process, "
+                   help="the router's HOST:PORT (replicas: IP:PORT,IP:PORT or "
+                        "dns:///NAME:PORT, one used at a time), or `embedded`: run it in "
+                        "this process, "
                         "serving the Router service on --router-host:--router-port for "
                         "workers to register with (the placement flags below apply)")
     e.add_argument("--router-host", type=unbracketed, default="127.0.0.1",

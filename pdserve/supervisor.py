@@ -17,9 +17,11 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from pdserve.cluster_token import write_token
 from pdserve.flags import EDGE_FLAGS, ENGINE_FLAGS, PLACEMENT_FLAGS
 from pdserve.config import EngineConfig
 from pdserve.launch import Child, healthy, stop_all
@@ -82,9 +84,11 @@ def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
             + [arg for name in ENGINE_FLAGS for arg in _passed_on(name, getattr(eng, name))])
 
 
-def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[str], dict]]:
+def _commands(a: argparse.Namespace, eng: EngineConfig,
+              token_file: str = "") -> list[tuple[str, list[str], dict]]:
     """Router, every worker, edge. Worker k (prefill first, then decode) gets NIXL
-    side-channel port --kv-port + k and metrics port --worker-metrics-port + k."""
+    side-channel port --kv-port + k and metrics port --worker-metrics-port + k.
+    `token_file`: the cluster token the router checks and the workers show."""
     me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level,
           "--log-format", a.log_format]
     # Only the edge listens where --host says; the rest stay on loopback, of --host's
@@ -93,6 +97,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     # --router-in-edge: no router process; the edge serves the router's port itself.
     router = hostport(inside, a.router_port)
     units = _placement(a, eng)
+    token = ["--cluster-token-file", token_file] if token_file else []
     workers = []
     for role, first_port in (("prefill", a.prefill_port), ("decode", a.decode_port)):
         for i, unit in enumerate(units[role]):
@@ -106,7 +111,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                 "--kv-port", str(a.kv_port + k), "--kv-lease-seconds", str(a.kv_lease_seconds),
                 "--kv-transfer-mode", a.kv_transfer_mode,
                 "--worker-id", f"{role}-{i}", "--drain-seconds", str(a.drain_seconds)]
-                + pin + metrics
+                + token + pin + metrics
                 + _engine_flags(a, eng), env))
     placement, streams = ([arg for name in names for arg in _passed_on(name, getattr(a, name))]
                           for names in (PLACEMENT_FLAGS, EDGE_FLAGS))
@@ -125,11 +130,11 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                           "--max-model-len", str(eng.max_model_len),
                           "--min-prefill-workers", str(a.prefill_workers),
                           "--min-decode-workers", str(a.decode_workers)] + streams
-            + (placement if a.router_in_edge else []) + gateway_pin, {})
+            + (placement + token if a.router_in_edge else []) + gateway_pin, {})
     if a.router_in_edge:
         return [*workers, edge]
     return [("router", me + ["router", "--host", inside, "--port", str(a.router_port)]
-             + gateway_pin + placement + router_metrics, {}),
+             + gateway_pin + placement + router_metrics + token, {}),
             *workers, edge]
 
 
@@ -236,7 +241,12 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    children = Children({name: (cmd, env) for name, cmd, env in _commands(a, eng)})
+    # A fresh cluster token for this stack's own processes, in a file only this user
+    # reads; gone with the stack.
+    secrets_dir = tempfile.TemporaryDirectory(prefix="pdserve-up-")
+    token_file = write_token(secrets_dir.name)
+    children = Children({name: (cmd, env) for name, cmd, env
+                         in _commands(a, eng, token_file)})
     health = f"http://{hostport(dialable(a.host), a.port)}/health"
     try:
         for name in children.commands:
@@ -262,4 +272,5 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
         return 1
     finally:
         _stop(children.procs, a.drain_seconds + _STOP_MARGIN_S)
+        secrets_dir.cleanup()
         print(f"pdserve: stopped {len(children.procs)} processes", file=sys.stderr, flush=True)

@@ -15,6 +15,8 @@
                   [--fairness-duration S] [--edges N]
     pdserve bench window [--sizes B,B] [--windows]  one message's time through the edge's
                                                     fixed HTTP/2 receive window, by size
+    pdserve bench resume [--trials N] [--json]      background responses dropped on one edge
+                                                    replica, resumed on another (Redis)
     pdserve bench legs --prefill A --decode A       with a stack up: each prompt's prefill leg,
                                                     decode leg with the pulled KV, and decode
                                                     leg prefilling locally, over gRPC
@@ -415,8 +417,8 @@ def commands() -> dict:
     """Every `pdserve bench` subcommand: the function that parses its arguments and runs it."""
     return {"serve": _serve, "compare": _compare, "gateways": _gateways, "router": _router,
             "placement": _placement, "sessions": _sessions, "edge": _edge,
-            "admission": _admission, "window": _module("window"), "legs": _module("legs"),
-            "spans": _module("spans"), "local": _module("local_path"),
+            "admission": _admission, "window": _module("window"), "resume": _module("resume"),
+            "legs": _module("legs"), "spans": _module("spans"), "local": _module("local_path"),
             "decode-calls": _module("decode_calls")}
 
 

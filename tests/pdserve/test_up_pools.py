@@ -143,3 +143,16 @@ def test_only_the_edge_leaves_loopback():
     assert cfgs["edge"].host == "0.0.0.0"
     assert {cfgs[n].host for n in ("router", "prefill-0", "decode-0")} == {"127.0.0.1"}
     assert cfgs["decode-0"].router == cfgs["edge"].router == "127.0.0.1:50051"
+
+
+@pytest.mark.parametrize("in_edge", [False, True])
+def test_the_stack_shares_one_cluster_token_file(in_edge):
+    a = _parser().parse_args(["up", "--prefill-cpus", "0", "--decode-cpus", "1"]
+                             + (["--router-in-edge"] if in_edge else []))
+    plan = {name: cmd for name, cmd, _ in _commands(a, _config(a), "/run/token")}
+    # Whoever serves the Router service checks it; every worker shows it.
+    checks = "edge" if in_edge else "router"
+    for name in (checks, "prefill-0", "decode-0"):
+        assert _flag(plan[name], "--cluster-token-file") == "/run/token", name
+    for name, cmd in plan.items():
+        assert _parser().parse_args(cmd[cmd.index("pdserve.cli") + 1:])   # flags it accepts
