@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import secrets
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -256,6 +258,18 @@ class Children:
             self.start(name, now)
 
 
+def _salt_secret(a: argparse.Namespace) -> Path | None:
+    """With keys and no salt secret: a fresh one for this stack's edge (a file only this
+    user reads, removed when the stack stops), set as `a.tenant_salt_file`."""
+    if not a.api_keys_file or a.tenant_salt_file:
+        return None
+    fd, path = tempfile.mkstemp(prefix="pdserve-tenant-salt-")
+    with os.fdopen(fd, "w") as f:           # mkstemp's file is 0600
+        f.write(secrets.token_hex(32))
+    a.tenant_salt_file = path
+    return Path(path)
+
+
 def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     """Run until signalled (0) or a child crash-loops (1)."""
     if not a.model:
@@ -264,6 +278,7 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    secret = _salt_secret(a)
     children = Children({name: (cmd, env) for name, cmd, env in _commands(a, eng)})
     health = f"http://{hostport(dialable(a.host), a.port)}/health"
     try:
@@ -290,4 +305,6 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
         return 1
     finally:
         _stop(children.procs, a.drain_seconds + _STOP_MARGIN_S)
+        if secret is not None:
+            secret.unlink(missing_ok=True)
         print(f"pdserve: stopped {len(children.procs)} processes", file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ from pdserve.transfer.params import (PREFILL_ADDRESS, REMOTE_BLOCK_IDS, Malforme
 
 from .engine import VllmEngine
 from .load_push import LoadNudges
+from .request_salt import CURRENT as CURRENT_SALT, SaltedEngine, salt_of
 from .validation import prompt_problem, sampling_problem
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class WorkerEngineServicer(VllmEngineServicer):
 
     def __init__(self, engine: VllmEngine, worker_id: str):
         super().__init__(engine.llm, time.time())
+        self.engine = SaltedEngine(engine.llm)     # each call's cache salt into its prompt
         self.worker_id = worker_id
         self.max_model_len = engine.cfg.max_model_len
         self.vocab_size = engine.llm.model_config.get_vocab_size()
@@ -54,8 +56,11 @@ class WorkerEngineServicer(VllmEngineServicer):
         if request.WhichOneof("input") == "tokenized":
             problem = problem or prompt_problem(request.tokenized.input_ids, self.max_model_len,
                                                 self.vocab_size)
+        salt, salt_problem = salt_of(context.invocation_metadata())
+        problem = problem or salt_problem
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        CURRENT_SALT.set(salt)
         started = time.perf_counter()
         n, prompt_tokens, cached, ended = 0, 0, 0, "cancelled"
         self.in_flight += 1

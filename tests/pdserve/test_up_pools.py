@@ -58,13 +58,15 @@ def test_bad_pool_sizes_are_refused(flags):
 
 def test_edge_flags_pass_through_and_parse_back():
     plan = _plan("--no-admission", "--stream-store", "redis://127.0.0.1:6379",
-                 "--api-keys-file", "/run/keys", "--decode-window-bytes", "0")
+                 "--api-keys-file", "/run/keys", "--tenant-salt-file", "/run/salt",
+                 "--decode-window-bytes", "0")
     edge = plan["edge"]
     assert "--no-admission" in edge and _flag(edge, "--stream-store") == "redis://127.0.0.1:6379"
     assert _flag(edge, "--api-keys-file") == "/run/keys"
     cfg = _config(_parser().parse_args(edge[edge.index("edge"):]))
-    assert (cfg.admission, cfg.stream_store, cfg.api_keys_file, cfg.decode_window_bytes) == (
-        False, "redis://127.0.0.1:6379", "/run/keys", 0)
+    assert (cfg.admission, cfg.stream_store, cfg.api_keys_file, cfg.tenant_salt_file,
+            cfg.decode_window_bytes) == (False, "redis://127.0.0.1:6379", "/run/keys",
+                                         "/run/salt", 0)
     assert "--admission" in _plan()["edge"]
     assert _config(_parser().parse_args(_plan()["edge"][_plan()["edge"].index("edge"):])
                    ).decode_window_bytes == 8192
