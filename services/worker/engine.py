@@ -65,7 +65,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from .salted_blocks import install
-        install()           # before the engine core forks: it hashes with the wrapper
+        install()           # an engine core forked from here inherits it (else: the plugin)
         self.kv_events_path = kv_events_path()
         # Stored/evicted blocks are published for the router's prefix index (on
         # this machine only, see kv_events_path).

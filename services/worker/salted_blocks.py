@@ -4,11 +4,14 @@ vLLM folds a request's `cache_salt` into its first block only
 (`vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys`), so a salted
 request shares nothing, not even an operator's common system prompt. pdserve's
 shared form of the salt (pdserve/cache_salt.py) names a second salt and the token
-where it starts: `install()` wraps vLLM's function, in this process and the
-engine-core process it forks, so that block 0 carries the group's salt (or none)
-and the block holding that token the request's own. Every other salt is left to
-vLLM as it is. Where the wrapper is not installed (an engine core started by
-`spawn`, a stock vLLM) the shared form is an ordinary salt: isolated, unshared.
+where it starts: `install()` wraps vLLM's function so that block 0 carries the
+group's salt (or none) and the block holding that token the request's own. Every
+other salt is left to vLLM as it is. It runs as a vLLM general plugin (the
+`vllm.general_plugins` entry point in pyproject.toml: vLLM loads it in each of its
+processes, the engine core included, which its CPU platform starts by `spawn`),
+and in the worker before its engine starts (an engine core it forks inherits it).
+Where it is not installed (a stock vLLM, `VLLM_PLUGINS` leaving it out) the shared
+form is an ordinary salt: isolated, unshared.
 
 What vLLM lacks for this upstream: a salt per block range, e.g. `cache_salt`
 accepting `[(start_token, salt), ...]` with `generate_block_hash_extra_keys`
