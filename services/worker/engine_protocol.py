@@ -21,7 +21,8 @@ from pdserve import genai, telemetry
 from pdserve.transfer.claim import LeaseClaims
 from pdserve.transfer.metrics import HANDOVER_SECONDS
 from pdserve.transfer.params import (PREFILL_ADDRESS, REMOTE_BLOCK_IDS, MalformedParams, decode, encode,
-                             keeps_blocks, lease_id, pulls_blocks, with_lease_seconds)
+                             keeps_blocks, lease_id, pulls_blocks, salt_mismatch,
+                             with_lease_seconds, with_salt_tag)
 
 from .engine import VllmEngine
 from .load_push import LoadNudges
@@ -70,7 +71,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         handover = telemetry.span("kv_transfer", attributes=pull) if pull else None
         try:
             with telemetry.current(handover or trace.INVALID_SPAN):
-                await self._claim(request, params)
+                await self._claim(request, params, salt)
             async for resp in super().Generate(request, context):
                 if handover is not None:
                     self._handed_over(handover, request, resp, started)
@@ -82,7 +83,7 @@ class WorkerEngineServicer(VllmEngineServicer):
                     prompt_tokens, cached = resp.complete.prompt_tokens, resp.complete.cached_tokens
                     ended = resp.complete.finish_reason
                     if self.leases and resp.complete.HasField("kv_transfer_params_json"):
-                        self._issue_lease(resp.complete)
+                        self._issue_lease(resp.complete, salt)
                 yield resp
         finally:
             self.in_flight -= 1
@@ -111,23 +112,26 @@ class WorkerEngineServicer(VllmEngineServicer):
                   else resp.complete.cached_tokens)
         telemetry.end(span, pdserve__kv__pulled=pulled, pdserve__kv__cached_tokens=cached)
 
-    def _issue_lease(self, complete) -> None:
+    def _issue_lease(self, complete, salt: str) -> None:
         """A prefill hands out a lease: the lease service hears of it, and the params
-        say how long it holds (so a gateway can tell a fresh one, transfer/claim.py)."""
+        say how long it holds (so a gateway can tell a fresh one, transfer/claim.py)
+        and under which cache salt its blocks were computed."""
         params = decode(complete.kv_transfer_params_json)
         lease = lease_id(params)
         if lease:
             self.leases.issued(lease)
-            complete.kv_transfer_params_json = encode(
-                with_lease_seconds(params, self.leases.lease_seconds))
+            complete.kv_transfer_params_json = encode(with_salt_tag(
+                with_lease_seconds(params, self.leases.lease_seconds), salt))
 
-    async def _claim(self, request, params: dict | None) -> None:
+    async def _claim(self, request, params: dict | None, salt: str = "") -> None:
         """A pull whose lease is gone (or whose prefill worker is) becomes a local
         prefill: the request reaches the engine without its kv_transfer_params
         (`params`: the request's, parsed)."""
         if params is None:
             return
-        reason = await self.claims.refusal(params)
+        # Blocks computed under another tenant's salt never land in this request.
+        reason = ("computed under another cache salt" if salt_mismatch(params, salt)
+                  else await self.claims.refusal(params))
         if reason:
             log.warning("generate %s on %s: not pulling lease %s from %s (%s); prefilling "
                         "locally", request.request_id, self.worker_id,

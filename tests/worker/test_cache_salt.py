@@ -79,3 +79,12 @@ def test_a_salt_that_is_too_long_is_refused():
     assert salt_of([(METADATA_KEY, "s")]) == ("s", None)
     assert salt_of(None) == ("", None)
     assert salt_of([(METADATA_KEY, "s" * 2000)])[1]
+
+
+def test_a_pull_lands_only_under_the_salt_its_blocks_were_computed_under():
+    from pdserve.transfer.params import SALT_TAG, salt_mismatch, with_salt_tag
+    a = with_salt_tag({"remote_block_ids": [1]}, "tenant-a")
+    assert "tenant-a" not in str(a[SALT_TAG])                 # a digest, not the salt
+    assert not salt_mismatch(a, "tenant-a") and salt_mismatch(a, "tenant-b")
+    assert salt_mismatch(a, "") and not salt_mismatch(with_salt_tag({}, ""), "")
+    assert not salt_mismatch({"remote_block_ids": [1]}, "tenant-a")   # a stock prefill's
