@@ -32,7 +32,7 @@ WORKDIR /src
 COPY lock/${EXTRAS}.txt scripts/install_lock.sh lock/
 RUN --mount=type=secret,id=pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
- && lock/install_lock.sh python lock/${EXTRAS}.txt
+ && PDSERVE_INSTALLER=pip lock/install_lock.sh python lock/${EXTRAS}.txt
 COPY pyproject.toml setup.py README.md ./
 COPY pdserve pdserve
 COPY services services

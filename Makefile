@@ -58,7 +58,7 @@ $(GUIDELLM)/.installed: $(NODE_CLIENTS)/guidellm-requirements.txt | $(STAMP)
 	rm -rf $(GUIDELLM)
 	mkdir -p $(CLIENTS) && echo '*' > $(CLIENTS)/.gitignore
 	$(PYTHON) -m venv $(GUIDELLM)
-	$(GUIDELLM)/bin/pip install -q --no-deps --no-compile -r $<
+	$(VENV)/bin/uv pip install -q --python $(GUIDELLM)/bin/python --no-deps -r $<
 	$(GUIDELLM)/bin/python -c 'import sysconfig as s; v = {"base": "$(abspath $(VENV))"}; \
 		print(s.get_path("purelib", vars=v))' > $$($(GUIDELLM)/bin/python -c \
 		'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-pdserve-venv.pth

@@ -13,6 +13,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -112,6 +113,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     _add_placement_flags(p)
     p.add_argument("--worker-timeout", type=float, default=RouterConfig().worker_timeout_seconds,
                    help="a worker silent this long is not offered requests")
+    p.add_argument("--cluster-token-file", default=_env("PDSERVE_CLUSTER_TOKEN_FILE", ""),
+                   help="a file holding the cluster token (e.g. a mounted Secret) that workers "
+                        "show when they register: a Register without it is refused "
+                        "(UNAUTHENTICATED); empty: no token")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {role} engine that does not register (any server of vLLM's "
@@ -123,6 +128,7 @@ EDGE_FLAGS = ("api_keys_file", "tenant_salt_file", "shared_prefixes_file", "max_
               "admission", "admission_queue", "admission_wait_seconds", "drain_seconds",
               "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
               "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds",
+              "response_ttl_seconds",
               "prefill_timeout_seconds", "prefill_attempts", "decode_stall_seconds",
               "decode_first_token_seconds", "max_migrations", "decode_calls",
               "decode_window_bytes", "first_token", "tool_call_parser")
@@ -170,6 +176,9 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
                    help="a reader whose writes are blocked this long is cut off")
     g.add_argument("--sse-keepalive-seconds", type=float, default=d.sse_keepalive_seconds,
                    help="an idle SSE stream gets a comment line this often")
+    g.add_argument("--response-ttl-seconds", type=float, default=d.response_ttl_seconds,
+                   help="a /v1/responses response is kept this long (for GET and "
+                        "previous_response_id), where stream logs live")
     g = p.add_argument_group("faults (edge)")
     g.add_argument("--prefill-timeout-seconds", type=float, default=d.prefill_timeout_seconds,
                    help="a prefill leg slower than this is aborted and tried on another "
@@ -286,7 +295,13 @@ def _parser() -> argparse.ArgumentParser:
         w.add_argument("--port", type=int, default=0)
         w.add_argument("--advertise-host", type=unbracketed, default="",
                        help="address others dial (default --host)")
-        w.add_argument("--router", default="127.0.0.1:50051")
+        w.add_argument("--router", default="127.0.0.1:50051",
+                       help="the router's HOST:PORT; several replicas as a comma-separated "
+                            "list or dns:///NAME:PORT (every address NAME resolves to): the "
+                            "worker registers with each")
+        w.add_argument("--cluster-token-file", default=_env("PDSERVE_CLUSTER_TOKEN_FILE", ""),
+                       help="a file holding the cluster token this worker shows when it "
+                            "registers (the routers' --cluster-token-file); empty: none")
         w.add_argument("--worker-id", default="")
         w.add_argument("--kv-port", type=int, default=5600, help="NIXL side-channel port")
         w.add_argument("--kv-lease-seconds", type=int, default=KVTransferConfig().lease_seconds,
@@ -309,7 +324,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
     e.add_argument("--grpc-port", type=int, default=50081, help="internal Inference gRPC API")
     e.add_argument("--router", default="127.0.0.1:50051",
-                   help="the router's HOST:PORT, or `embedded`: run it in this process, "
+                   help="the router's HOST:PORT (replicas: IP:PORT,IP:PORT or "
+                        "dns:///NAME:PORT, one used at a time), or `embedded`: run it in "
+                        "this process, "
                         "serving the Router service on --router-host:--router-port for "
                         "workers to register with (the placement flags below apply)")
     e.add_argument("--router-host", type=unbracketed, default="127.0.0.1",
@@ -431,6 +448,7 @@ def _router_config(a: argparse.Namespace, host: str, port: int,
                         balance_slack=a.balance_slack,
                         local_cached_fraction=a.local_cached_fraction,
                         prefill_saturated=a.prefill_saturated, metrics_port=metrics_port,
+                        cluster_token_file=a.cluster_token_file,
                         static_workers=tuple([("prefill", w) for w in a.prefill_worker]
                                              + [("decode", w) for w in a.decode_worker]))
 
@@ -450,7 +468,8 @@ def _config(a: argparse.Namespace):
                                                 buffer_device=a.device),
                             host=a.host, port=a.port, advertise_host=a.advertise_host,
                             router=a.router, worker_id=a.worker_id, metrics_port=a.metrics_port,
-                            drain_seconds=a.drain_seconds)
+                            drain_seconds=a.drain_seconds,
+                            cluster_token_file=a.cluster_token_file)
     if a.command == "edge":
         if a.router != "embedded" and (a.prefill_worker or a.decode_worker):
             raise ValueError("--prefill-worker/--decode-worker name engines for a router "
@@ -500,8 +519,15 @@ def main(argv: list[str] | None = None) -> None:
     elif a.command in ("prefill", "decode"):
         _engine_env(cfg, a.cpus)
         _tracing(a.command)
+        from pdserve.services.worker.engine_watch import EXIT_ENGINE_DEAD, EngineDied
         from pdserve.services.worker.main import serve_worker
-        _run(serve_worker(cfg))
+        try:
+            _run(serve_worker(cfg))
+        except EngineDied as e:
+            # At once: vLLM's exit handlers would wait on an engine that is gone.
+            logging.getLogger("pdserve.worker").error("%s; exiting", e)
+            logging.shutdown()
+            os._exit(EXIT_ENGINE_DEAD)
     elif a.command == "edge":
         _pin(a.cpus)
         _gateway_grpc_env()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve import routers
 from pdserve.netaddr import split_hostport
 
 
@@ -156,10 +157,12 @@ class WorkerConfig:
     heartbeat_seconds: float = 2.0
     metrics_port: int = 0                # the engine's vllm:* series over HTTP; 0 = off
     drain_seconds: float = 30.0          # SIGTERM: Generate calls in flight get this long
+    cluster_token_file: str = ""         # the token Register shows (pdserve/cluster_token.py)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        routers.parts(self.router)           # ValueError naming a bad entry
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         _check_positive("heartbeat_seconds", self.heartbeat_seconds)
@@ -184,6 +187,7 @@ class RouterConfig:
     local_cached_fraction: float = 0.8   # decode worker holds this much of the prompt: local
     prefill_saturated: int = 2           # requests in flight that make a prefill worker full; 0 off
     metrics_port: int = 0                # its pdserve:router_* series over HTTP; 0 = off
+    cluster_token_file: str = ""         # Register/Deregister must show its token; "" open
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
@@ -237,6 +241,8 @@ class EdgeConfig:
     stream_max_events: int = 4096
     stream_stall_seconds: float = 10.0   # a reader blocked this long is cut off
     sse_keepalive_seconds: float = 15.0
+    # Responses (/v1/responses) kept for GET and previous_response_id, in the stream store.
+    response_ttl_seconds: float = 3600.0
     # Faults (services/edge/moves.py): a failing worker costs a retry, not a stream.
     prefill_timeout_seconds: float = 30.0   # a slower prefill is tried on another worker
     prefill_attempts: int = 2               # prefill workers tried before local prefill
@@ -284,6 +290,7 @@ class EdgeConfig:
                              f"got {self.stream_store!r}")
         for name in ("stream_resume_seconds", "stream_ttl_seconds", "stream_stall_seconds",
                      "sse_keepalive_seconds", "stream_max_events", "admission_wait_seconds",
+                     "response_ttl_seconds",
                      "max_request_bytes", "drain_seconds", "prefill_timeout_seconds",
                      "prefill_attempts", "decode_stall_seconds", "decode_first_token_seconds",
                      "decode_exclude_seconds", "decode_place_wait_seconds"):
@@ -298,6 +305,8 @@ class EdgeConfig:
             raise ValueError("max_migrations must be >= 0")
         if self.decode_window_bytes < 0:
             raise ValueError("decode_window_bytes must be >= 0 (0: gRPC's own windows)")
+        if self.embedded_router is None:
+            routers.channel_target(self.router)      # ValueError naming a bad entry
         if self.decode_calls not in ("per-request", "batched"):
             raise ValueError(f"decode_calls must be per-request or batched, "
                              f"got {self.decode_calls!r}")

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pdserve.cluster_token import write_token
 from pdserve.cli import ENGINE_FLAGS, PLACEMENT_FLAGS, EDGE_FLAGS
 from pdserve.config import EngineConfig
 from pdserve.netaddr import dialable, hostport, loopback
@@ -86,9 +87,11 @@ def _engine_flags(a: argparse.Namespace, eng: EngineConfig) -> list[str]:
             + [arg for name in ENGINE_FLAGS for arg in _passed_on(name, getattr(eng, name))])
 
 
-def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[str], dict]]:
+def _commands(a: argparse.Namespace, eng: EngineConfig,
+              token_file: str = "") -> list[tuple[str, list[str], dict]]:
     """Router, every worker, edge. Worker k (prefill first, then decode) gets NIXL
-    side-channel port --kv-port + k and metrics port --worker-metrics-port + k."""
+    side-channel port --kv-port + k and metrics port --worker-metrics-port + k.
+    `token_file`: the cluster token the router checks and the workers show."""
     me = [sys.executable, "-m", "pdserve.cli", "--log-level", a.log_level,
           "--log-format", a.log_format]
     # Only the edge listens where --host says; the rest stay on loopback, of --host's
@@ -97,6 +100,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
     # --router-in-edge: no router process; the edge serves the router's port itself.
     router = hostport(inside, a.router_port)
     units = _placement(a, eng)
+    token = ["--cluster-token-file", token_file] if token_file else []
     workers = []
     for role, first_port in (("prefill", a.prefill_port), ("decode", a.decode_port)):
         for i, unit in enumerate(units[role]):
@@ -110,7 +114,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                 "--kv-port", str(a.kv_port + k), "--kv-lease-seconds", str(a.kv_lease_seconds),
                 "--kv-transfer-mode", a.kv_transfer_mode,
                 "--worker-id", f"{role}-{i}", "--drain-seconds", str(a.drain_seconds)]
-                + pin + metrics
+                + token + pin + metrics
                 + _engine_flags(a, eng), env))
     placement, streams = ([arg for name in names for arg in _passed_on(name, getattr(a, name))]
                           for names in (PLACEMENT_FLAGS, EDGE_FLAGS))
@@ -129,11 +133,11 @@ def _commands(a: argparse.Namespace, eng: EngineConfig) -> list[tuple[str, list[
                           "--max-model-len", str(eng.max_model_len),
                           "--min-prefill-workers", str(a.prefill_workers),
                           "--min-decode-workers", str(a.decode_workers)] + streams
-            + (placement if a.router_in_edge else []) + gateway_pin, {})
+            + (placement + token if a.router_in_edge else []) + gateway_pin, {})
     if a.router_in_edge:
         return [*workers, edge]
     return [("router", me + ["router", "--host", inside, "--port", str(a.router_port)]
-             + gateway_pin + placement + router_metrics, {}),
+             + gateway_pin + placement + router_metrics + token, {}),
             *workers, edge]
 
 
@@ -258,16 +262,16 @@ class Children:
             self.start(name, now)
 
 
-def _salt_secret(a: argparse.Namespace) -> Path | None:
-    """With keys and no salt secret: a fresh one for this stack's edge (a file only this
-    user reads, removed when the stack stops), set as `a.tenant_salt_file`."""
+def _salt_secret(a: argparse.Namespace, directory: str) -> None:
+    """With keys and no salt secret: a fresh one for this stack's edge, in a file only
+    this user reads under `directory` (gone with the stack), as `a.tenant_salt_file`."""
     if not a.api_keys_file or a.tenant_salt_file:
-        return None
-    fd, path = tempfile.mkstemp(prefix="pdserve-tenant-salt-")
-    with os.fdopen(fd, "w") as f:           # mkstemp's file is 0600
+        return
+    path = Path(directory) / "tenant-salt"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
-    a.tenant_salt_file = path
-    return Path(path)
+    a.tenant_salt_file = str(path)
 
 
 def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
@@ -278,8 +282,13 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    secret = _salt_secret(a)
-    children = Children({name: (cmd, env) for name, cmd, env in _commands(a, eng)})
+    # A fresh cluster token for this stack's own processes, in a file only this user
+    # reads; gone with the stack.
+    secrets_dir = tempfile.TemporaryDirectory(prefix="pdserve-up-")
+    token_file = write_token(secrets_dir.name)
+    _salt_secret(a, secrets_dir.name)
+    children = Children({name: (cmd, env) for name, cmd, env
+                         in _commands(a, eng, token_file)})
     health = f"http://{hostport(dialable(a.host), a.port)}/health"
     try:
         for name in children.commands:
@@ -305,6 +314,5 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
         return 1
     finally:
         _stop(children.procs, a.drain_seconds + _STOP_MARGIN_S)
-        if secret is not None:
-            secret.unlink(missing_ok=True)
+        secrets_dir.cleanup()
         print(f"pdserve: stopped {len(children.procs)} processes", file=sys.stderr, flush=True)

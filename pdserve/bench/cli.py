@@ -16,6 +16,8 @@
                   [--fairness-duration S] [--edges N]
     pdserve bench window [--sizes B,B] [--windows]  one message's time through the edge's
                                                     fixed HTTP/2 receive window, by size
+    pdserve bench resume [--trials N] [--json]      background responses dropped on one edge
+                                                    replica, resumed on another (Redis)
 """
 from __future__ import annotations
 
@@ -444,6 +446,9 @@ def main(argv: list[str]) -> int:
         return window_main(argv[1:])
     if argv[:1] == ["edge"]:
         return _edge(argv[1:])
+    if argv[:1] == ["resume"]:
+        from .resume import main as resume_main
+        return resume_main(argv[1:])
     if argv[:1] == ["admission"]:
         return _admission(argv[1:])
     print(__doc__.strip(), file=sys.stderr)

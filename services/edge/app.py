@@ -38,6 +38,8 @@ from .openapi import SPEC
 from .limits import RateLimits
 from .generation import Generation
 from .orchestrator import Orchestrator
+from .picker_series import PickerSeries
+from .pool_view import PoolView
 from .prompts import PromptEncoder
 from .stream_log import BadPosition, EventsGone, StreamGone
 from .streams import LiveStream, Streams, open_store
@@ -57,6 +59,8 @@ CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came wi
 LIMITS = web.AppKey("limits", RateLimits)
 SALTS = web.AppKey("salts", TenantSalts)
 ADMISSION = web.AppKey("admission", Admission)
+POOL = web.AppKey("pool", PoolView)             # the last reading of the router's workers
+PICKER = web.AppKey("picker", PickerSeries)     # what an InferencePool's picker scores
 STREAM_ID = "x-pdserve-stream-id"
 STREAM_TOKEN = "x-pdserve-stream-token"    # reads that stream without the key (keys.py)
 TIMEOUT_HEADER = "x-pdserve-timeout-ms"
@@ -65,7 +69,7 @@ POOL_READ_SECONDS = (1.0, 0.1)      # admission's readings: a lone idle edge; sh
 _ENDPOINT = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
-def _error_response(e: oai.APIError, headers: dict | None = None) -> web.Response:
+def error_response(e: oai.APIError, headers: dict | None = None) -> web.Response:
     headers = {**(headers or {}), **e.headers}
     if e.status in (429, 503):
         # Overload and "no worker serves" pass; clients back off instead of hammering.
@@ -102,16 +106,16 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except oai.APIError as e:
-        return _error_response(e)
+        return error_response(e)
     except web.HTTPRequestEntityTooLarge:
-        return _error_response(oai.APIError(
+        return error_response(oai.APIError(
             413, f"the request body is over {request.app[CONFIG].max_request_bytes} bytes",
             code="request_too_large"))
     except web.HTTPException as e:
         if e.status < 400:
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return _error_response(oai.APIError(e.status, e.reason, type=kind))
+        return error_response(oai.APIError(e.status, e.reason, type=kind))
 
 
 def _sampling(req: oai.CompletionRequest, max_tokens: int, index: int = 0
@@ -165,18 +169,19 @@ def _budget(request: web.Request, cfg: EdgeConfig) -> float:
     return min(int(raw) / 1000, cfg.request_timeout_seconds)
 
 
-async def begin(request: web.Request, kind: oai.Kind, raw: bytes
-                ) -> tuple[oai.CompletionRequest, list[AdmittedGeneration], dict]:
+async def begin(request: web.Request, kind: oai.Kind, raw: bytes, endpoint: str = "",
+                parse=None) -> tuple[oai.CompletionRequest, list[AdmittedGeneration], dict]:
     """Validate, tokenize, route and prefill one request (HTTP or WebSocket): a
     generation per choice (`n`), and the rate limits' headers; raises APIError
-    (counted) when it cannot start."""
+    (counted under `endpoint`, default the kind's) when it cannot start. `parse(raw)`:
+    the request's own parser (default: the kind's OpenAI request)."""
     cfg, metrics = request.app[CONFIG], request.app[METRICS]
     started = time.perf_counter()
     rid = oai.completion_id(kind)
     runs: list[AdmittedGeneration] = []
     try:
         deadline = time.monotonic() + _budget(request, cfg)
-        req = oai.parse_request(kind, raw, {cfg.name})
+        req = parse(raw) if parse else oai.parse_request(kind, raw, {cfg.name})
         keep = req.truncate_prompt_tokens
         ids = request.app[ENCODER].encode(req, cfg.max_model_len if keep == -1 else keep)
         max_tokens = oai.check_context(len(ids), req.sampling.max_tokens, cfg.max_model_len)
@@ -192,7 +197,7 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes
         for run in runs:                    # choices placed before one failed
             _generation_ended(request.app, run)
         if isinstance(e, oai.APIError):
-            metrics.requests.labels(_ENDPOINT[kind], "none", str(e.status)).inc()
+            metrics.requests.labels(endpoint or _ENDPOINT[kind], "none", str(e.status)).inc()
         raise
     return req, runs, rate_headers
 
@@ -260,7 +265,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
                "x-pdserve-worker": stream.decode_worker, "x-request-id": stream.gen.request_id,
                QUEUE_HEADER: f"{run.ticket.waited * 1000:.1f}", **rate_headers}
     if req.stream:
-        return await _stream_response(request, _ENDPOINT[kind],
+        return await stream_response(request, _ENDPOINT[kind],
                                       start_stream(request, req, runs), headers, plain)
     status = "200"
     try:
@@ -268,7 +273,7 @@ async def _completion(request: web.Request, kind: oai.Kind) -> web.StreamRespons
         return web.json_response(body, headers=headers | {"x-pdserve-path": stream.path})
     except oai.APIError as e:
         status = str(e.status)
-        return _error_response(e, headers | {"x-pdserve-path": stream.path})
+        return error_response(e, headers | {"x-pdserve-path": stream.path})
     except (asyncio.CancelledError, ConnectionResetError):
         status = "499"  # the client went away; leaving here cancels the decode call
         raise
@@ -282,10 +287,11 @@ def _generation_ended(app: web.Application, run: AdmittedGeneration) -> None:
     run.end(app[METRICS], app[CONFIG].name)
 
 
-async def _stream_response(request: web.Request, endpoint: str, live: LiveStream,
-                           headers: dict, plain: bool) -> web.StreamResponse:
+async def stream_response(request: web.Request, endpoint: str, live: LiveStream,
+                           headers: dict, plain: bool, typed: bool = False
+                           ) -> web.StreamResponse:
     """The client that asked reads its stream from the start, as SSE (`plain`:
-    OpenAI's framing, else the resumable one)."""
+    OpenAI's framing, else the resumable one; `typed`: the Responses API's)."""
     metrics, status = request.app[METRICS], "200"
     stream = live.generation.stream
     span = telemetry.span("stream", parent=stream.span, attributes={
@@ -299,10 +305,11 @@ async def _stream_response(request: web.Request, endpoint: str, live: LiveStream
             headers[STREAM_TOKEN] = token
         return await sse.relay(request, reader, headers,
                                stall_seconds=cfg.stream_stall_seconds, live=live,
-                               on_cut=metrics.streams_cut.labels("sse").inc, plain=plain)
+                               on_cut=metrics.streams_cut.labels("sse").inc, plain=plain,
+                               typed=typed)
     except oai.APIError as e:
         status = str(e.status)
-        return _error_response(e, headers | {"x-pdserve-path": stream.path})
+        return error_response(e, headers | {"x-pdserve-path": stream.path})
     except (asyncio.CancelledError, ConnectionResetError):
         status = "499"  # gone; the generation waits a while for it to resume
         raise
@@ -374,26 +381,13 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 when the edge is not draining, the router answers and at least the minimum
-    prefill and decode workers serve ("degraded" when some worker it lists does not:
-    one dead worker must not take every edge out of its Service)."""
+    """From the edge's last reading of the pool, never a call to the router
+    (pool_view.py): 503 while draining or short of workers."""
     cfg = request.app[CONFIG]
     if request.app[ADMISSION].draining:
         return web.json_response({"status": "draining"}, status=503)
-    try:
-        workers = await request.app[ORCH].workers()
-    except grpc.aio.AioRpcError as e:
-        return web.json_response({"status": "unavailable", "reason": f"router: {e.code().name}"},
-                                 status=503)
-    listed = [{"worker_id": w.worker_id, "role": common_pb2.WorkerRole.Name(w.role),
-               "address": w.address, "serving": w.serving} for w in workers]
-    serving = {r: sum(1 for w in workers if w.serving and w.role == r)
-               for r in (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE)}
-    ok = (serving[common_pb2.WORKER_ROLE_PREFILL] >= cfg.min_prefill_workers
-          and serving[common_pb2.WORKER_ROLE_DECODE] >= cfg.min_decode_workers)
-    status = ("unavailable" if not ok else
-              "ok" if all(w.serving for w in workers) else "degraded")
-    return web.json_response({"status": status, "workers": listed}, status=200 if ok else 503)
+    status, body = request.app[POOL].readiness(cfg.min_prefill_workers, cfg.min_decode_workers)
+    return web.json_response(body, status=status)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -408,27 +402,37 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def _read_pool(app: web.Application):
-    """Keep admission's view of the decode pool fresh: its capacity, and what the
-    other edge replicas hold of it (each reading reports this edge's own counts to
-    the router; services/router/edges.py). 10 readings a second while requests
-    wait for room here, or while other edges share the pool (what one admits or
-    frees reaches the others within two readings); one a second otherwise, as a
-    lone edge (each reading is an RPC to the router)."""
-    admission = app[ADMISSION]
+    """Keep the edge's view of the pool fresh (what /health answers from), and
+    admission's: its capacity, and what the other edge replicas hold of it (each
+    reading reports this edge's own counts to the router; services/router/edges.py).
+    10 readings a second while requests wait for room here, or while other edges
+    share the pool (what one admits or frees reaches the others within two
+    readings); one a second otherwise. The first is taken before the edge serves."""
+    admission, view = app[ADMISSION], app[POOL]
     edge_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    pool = router_pb2.ListWorkersResponse()
+
+    async def read_once() -> None:
+        nonlocal pool
+        try:
+            pool = await app[ORCH].pool(edge_id, admission.in_flight)
+        except grpc.aio.AioRpcError as e:
+            view.failed(e.code().name)  # the router is away: the view stands meanwhile
+            return
+        view.observe(pool.workers)
+        app[PICKER].update(admission.queued, admission.in_flight, pool.workers)
+        if app[CONFIG].admission:
+            admission.observe(pool_capacity(pool.workers, common_pb2.WORKER_ROLE_DECODE),
+                              pool.admitted_elsewhere)
 
     async def read() -> None:
-        pool = router_pb2.ListWorkersResponse()
         while True:
-            try:
-                pool = await app[ORCH].pool(edge_id, admission.in_flight)
-                admission.observe(pool_capacity(pool.workers, common_pb2.WORKER_ROLE_DECODE),
-                                  pool.admitted_elsewhere)
-            except grpc.aio.AioRpcError:
-                pass                # the router is away: Route will say so per request
             shared = admission.queued or pool.edges > 1
             await asyncio.sleep(POOL_READ_SECONDS[bool(shared)])
-    task = asyncio.create_task(read(), name="pool-room")
+            await read_once()
+
+    await read_once()
+    task = asyncio.create_task(read(), name="pool-view")
     yield
     task.cancel()
 
@@ -446,8 +450,9 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
     app[SALTS] = tenant_salts(cfg, app[KEYS].open, encoder)
     app[ADMISSION] = Admission(cfg, app[METRICS])
-    if cfg.admission:                   # off: capacity stays unbounded, nothing to read
-        app.cleanup_ctx.append(_read_pool)
+    app[POOL] = PoolView()
+    app[PICKER] = PickerSeries(app[METRICS].registry, cfg.name)
+    app.cleanup_ctx.append(_read_pool)
 
     def ended(live: LiveStream) -> None:
         app[METRICS].streams_open.dec()
@@ -471,4 +476,6 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    from . import responses_api                 # it reads this module's keys and steps
+    responses_api.add_routes(app)
     return app

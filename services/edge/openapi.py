@@ -77,6 +77,31 @@ _GENERATION_HEADERS = [
 _STREAM_ID = {"name": "stream_id", "in": "path", "required": True,
               "schema": {"type": "string", "maxLength": 128}}
 
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True,
+                "schema": {"type": "string", "maxLength": 128}}
+_RESPONSE_FIELDS = {
+    "model": {"type": "string"},
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1,
+                                             "items": {"type": "object"}}]},
+    "instructions": {"type": ["string", "null"]},
+    "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+    "top_k": _SAMPLING["top_k"], "seed": _SAMPLING["seed"], "stop": _SAMPLING["stop"],
+    "text": {"type": ["object", "null"], "properties": {"format": {"type": "object"}}},
+    "tools": {"type": ["array", "null"], "items": {"type": "object"}},
+    "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"},
+                              {"type": "null"}]},
+    "parallel_tool_calls": {"type": ["boolean", "null"]},
+    "stream": {"type": ["boolean", "null"]}, "background": {"type": ["boolean", "null"]},
+    "store": {"type": ["boolean", "null"]},
+    "previous_response_id": {"type": ["string", "null"]},
+    "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+    "user": {"type": ["string", "null"]}, "safety_identifier": {"type": ["string", "null"]},
+    "prompt_cache_key": {"type": ["string", "null"]},
+    "truncation": {"enum": ["disabled", None]}, "service_tier": {"enum": ["auto", None]},
+    "include": {"type": ["array", "null"], "maxItems": 0},
+}
+
 SPEC = {
     "openapi": "3.1.0",
     "info": {"title": "pdserve edge", "version": "1",
@@ -177,6 +202,44 @@ SPEC = {
                                              "content": {"application/json": {
                                                  "schema": {"type": "object"}}}},
                                      **_errors(401, 404)}}},
+        "/v1/responses": {"post": {
+            "operationId": "create_response", "parameters": _GENERATION_HEADERS[:1] + [
+                _GENERATION_HEADERS[2]],
+            "description": "OpenAI's Responses API (docs/responses.md); stream=true: typed "
+                           "events, each with sequence_number",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["model", "input"],
+                "properties": _RESPONSE_FIELDS}}}},
+            "responses": {"200": {"description": "the Response (JSON), or its events (SSE)",
+                                  "content": {"application/json": {"schema": {
+                                      "type": "object"}},
+                                      "text/event-stream": {"schema": {"type": "string"}}}},
+                          **_errors(400, 401, 404, 413, 429, 503, 504)}}},
+        "/v1/responses/{response_id}": {
+            "get": {"operationId": "retrieve_response", "parameters": [
+                _RESPONSE_ID, {"name": "stream", "in": "query", "required": False,
+                               "schema": {"enum": ["true", "false"]}},
+                {"name": "starting_after", "in": "query", "required": False,
+                 "description": "with stream=true: the events after this sequence_number",
+                 "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}}],
+                "responses": {"200": {"description": "the Response, or (stream=true) its "
+                                      "events", "content": {
+                                          "application/json": {"schema": {"type": "object"}},
+                                          "text/event-stream": {"schema": {
+                                              "type": "string"}}}},
+                              **_errors(400, 401, 404)}},
+            "delete": {"operationId": "delete_response", "parameters": [_RESPONSE_ID],
+                       "responses": {"200": {"description": "deleted (a running one is "
+                                             "cancelled first)", "content": {
+                                                 "application/json": {"schema": {
+                                                     "type": "object"}}}},
+                                     **_errors(401, 404)}}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "operationId": "cancel_response", "parameters": [_RESPONSE_ID],
+            "responses": {"200": {"description": "the Response, cancelled (or already over)",
+                                  "content": {"application/json": {"schema": {
+                                      "type": "object"}}}},
+                          **_errors(400, 401, 404)}}},
         "/v1/ws": {"get": {"operationId": "websocket", "description": "WebSocket: see the "
                            "README (first message: an OpenAI request or a resume)",
                            "responses": {"101": {"description": "switching protocols"},

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import INVALID_SPAN, Span
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from pdserve import telemetry
+from pdserve import routers, telemetry
 from pdserve.config import EdgeConfig
 from pdserve.rpc import channel
 from pdserve.v1 import router_pb2, transfer_pb2, transfer_pb2_grpc
@@ -65,7 +65,7 @@ class Orchestrator:
 
     def __init__(self, cfg: EdgeConfig, tokenizer, router=None, batch_from: int = BATCH_FROM):
         self.cfg = cfg
-        self.router_channel = None if router else channel(cfg.router)
+        self.router_channel = None if router else channel(routers.channel_target(cfg.router))
         self.router = router or RouteCalls(self.router_channel)
         self.tokenizer = tokenizer
         self.heard = Heard()                # decode workers' last output, for stall checks

@@ -8,8 +8,9 @@ it what the call did), and the whole run's p99 at 1,000 starts in a second read
 `RouteStream` call open to the router and sends the requests on it, those queued
 together in one message; each answer carries its request's id and, when the
 request cannot be placed, the status a unary Route would have failed with, which
-is raised here as that call's `AioRpcError` (UNAVAILABLE when the call itself
-breaks, for every request waiting on it; the next request opens a new call). To
+is raised here as that call's `AioRpcError`. When the call itself breaks (its
+router replica went away), every request waiting on it is asked once more on a
+new call, which the channel opens to another replica; UNAVAILABLE if that fails too. To
 the orchestrator it is the `RouterStub` it replaces: `Route` and `ListWorkers`.
 
 With tracing on, each request takes a unary Route, so that the router's side
@@ -119,25 +120,37 @@ class RouteCalls:
         if (not self.streamed or telemetry.enabled() or not rid
                 or (self._call is not None and rid in self._call.waiting)):
             return await self._stub.Route(request, timeout=timeout)
-        if self._call is None:
-            self._call = _OpenCall(self._stub, self._ended)
-        call = self._call
-        answer = call.send(request)
-        deadline = None
-        if timeout is not None:
-            deadline = asyncio.get_running_loop().call_later(timeout, _past_deadline, answer)
         try:
-            result = await answer
-        finally:
-            if deadline is not None:
-                deadline.cancel()
-            if call.waiting.get(rid) is answer:
-                del call.waiting[rid]
+            result = await self._answer(request, timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            # The call broke under it (a router replica went away): once more, on a new
+            # call, which the channel opens to a replica still there.
+            result = await self._answer(request, timeout)
         if result is _UNARY:
             return await self._stub.Route(request, timeout=timeout)
         if result.status_code:
             raise call_error(status_code(result.status_code), result.status_details)
         return result.decision
+
+    async def _answer(self, request: router_pb2.RouteRequest, timeout: float | None):
+        """`request`'s answer on the open call (opened if need be), or _UNARY; raises the
+        call's own failure."""
+        if self._call is None:
+            self._call = _OpenCall(self._stub, self._ended)
+        call, rid = self._call, request.request_id
+        answer = call.send(request)
+        deadline = None
+        if timeout is not None:
+            deadline = asyncio.get_running_loop().call_later(timeout, _past_deadline, answer)
+        try:
+            return await answer
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+            if call.waiting.get(rid) is answer:
+                del call.waiting[rid]
 
     @property
     def streamed(self) -> bool:

@@ -13,6 +13,7 @@ from pdserve.v1 import inference_pb2_grpc
 from pdserve.services.router.local import LocalRouter
 from pdserve.services.router.server import Router
 
+from . import websocket
 from .app import ADMISSION, STREAMS, build_app
 from .detokenizer import byte_table
 from .inference import InferenceService
@@ -24,6 +25,22 @@ from .runner import EdgeRunner
 # in a ramp of 1,000 streams the edge ran one every second or so, 17-25 ms each,
 # and none in the same runs with this (docs/design/2026-12-05-edge-garbage-collection.md).
 FULL_COLLECTION_EVERY = 1000
+
+# What a stop costs after the drain, at most (k8s/base/edge.yaml's grace adds them up):
+STOP_GRPC_GRACE_S = 1.0       # the Inference gRPC server's calls in flight
+# aiohttp waits this long for the HTTP handlers still running (their streams were cut
+# at the drain's end, so they are writing their last event), then cancels them and
+# waits as long again: at most twice this.
+SHUTDOWN_TIMEOUT_S = 3.0
+STOP_ROUTER_GRACE_S = 1.0     # an embedded router's calls in flight
+
+
+def stop_budget(drain_seconds: float) -> float:
+    """The longest a SIGTERMed edge takes to stop, exit aside: its drain, then every
+    shutdown timeout after it (WebSockets close concurrently within WS_CLOSE_SECONDS)."""
+    return (drain_seconds + STOP_GRPC_GRACE_S + websocket.WS_CLOSE_SECONDS
+            + 2 * SHUTDOWN_TIMEOUT_S + STOP_ROUTER_GRACE_S)
+
 
 log = logging.getLogger("pdserve.edge")
 
@@ -49,7 +66,7 @@ async def serve(cfg: EdgeConfig) -> None:
         await router.start()
     # handler_cancellation: a client that goes away cancels its handler, which
     # cancels the decode call, which aborts the request on the worker.
-    runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=30.0,
+    runner = EdgeRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
                         access_log=None)
     await runner.setup()
     # backlog: a burst of thousands of connections must queue, not be refused
@@ -67,12 +84,17 @@ async def serve(cfg: EdgeConfig) -> None:
         await until_signalled()
     finally:
         # Drain: /health fails and nothing new is admitted at once (a load balancer
-        # stops sending here); streams in flight get drain_seconds to finish.
+        # stops sending here); streams in flight get drain_seconds to finish, and those
+        # still running then are cut, so that their readers get an end, not a reset.
         log.info("edge draining: %d streams in flight", len(app[STREAMS].live))
         app[ADMISSION].drain()
         await app[STREAMS].wait_idle(cfg.drain_seconds)
-        await grpc_server.stop(grace=1.0)
+        if app[STREAMS].live:
+            log.warning("edge drain ended with %d streams running; cutting them",
+                        len(app[STREAMS].live))
+            await app[STREAMS].cut("the edge's drain ended")
+        await grpc_server.stop(grace=STOP_GRPC_GRACE_S)
         await runner.cleanup()
         await orchestrator.close()
         if router:
-            await router.stop(grace=1.0)
+            await router.stop(grace=STOP_ROUTER_GRACE_S)

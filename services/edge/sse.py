@@ -60,6 +60,24 @@ def plain_frame(batch: list[Event]) -> bytes:
     return "".join([f"data: {e.data}\n\n" for e in batch]).encode()
 
 
+def _typed(data: str) -> str:
+    """A typed event (the Responses API's): `event: <its type>` before its data."""
+    if data.startswith('{"type":"'):
+        return f"event: {data[9:data.index(chr(34), 9)]}\ndata: {data}\n\n"
+    return f"data: {data}\n\n"
+
+
+def typed_frame(batch: list[Event]) -> bytes:
+    """The Responses API's framing, as OpenAI sends it: `event:` and `data:` lines, and
+    no `[DONE]` (the body's end ends the stream)."""
+    return "".join([_typed(e.data) for e in batch if e.data != DONE]).encode()
+
+
+def typed_chunked_events(seq: int, data: list[str]) -> bytes:
+    """As `chunked_events`, in the Responses API's framing (`typed_frame`)."""
+    return _chunk("".join([_typed(d) for d in data]).encode())
+
+
 def chunked_events(seq: int, data: list[str]) -> bytes:
     """Events `seq`, `seq + 1`... as `frame` renders them, in one HTTP/1.1 chunk (the
     pushed writer's step, once per token). Payloads are ASCII JSON (events.py)."""
@@ -117,15 +135,17 @@ class EventStreamResponse(web.StreamResponse):
 
 async def relay(request: web.Request, reader: AsyncIterator[list[Event]], headers: dict, *,
                 stall_seconds: float, live: LiveStream | None = None,
-                on_cut=lambda: None, plain: bool = False) -> web.StreamResponse:
+                on_cut=lambda: None, plain: bool = False, typed: bool = False
+                ) -> web.StreamResponse:
     """Write the reader's events as SSE until the stream ends. With `live` (the
     request that started the generation), headers wait for its first event, and a
     failure before any output raises as an HTTP error instead. `plain`: OpenAI's
     framing, no `id:`, `retry:` or comments (for clients that read `data:` lines
-    only; the reader then has no keepalive either)."""
+    only; the reader then has no keepalive either); `typed`: the Responses API's
+    (`typed_frame`)."""
     resp = EventStreamResponse(headers={**headers, **HEADERS})
-    render = plain_frame if plain else frame
-    hint = not plain
+    render = typed_frame if typed else plain_frame if plain else frame
+    hint = not (plain or typed)
     pushable = False                        # a live log's reader, on a chunked body
     async with contextlib.aclosing(reader) as batches:
         async for batch in batches:
@@ -142,7 +162,7 @@ async def relay(request: web.Request, reader: AsyncIterator[list[Event]], header
             data = render(batch)
             if hint and batch:
                 data, hint = RETRY + data, False
-            if not await within_stall(request, resp.write(data), stall_seconds):
+            if data and not await within_stall(request, resp.write(data), stall_seconds):
                 on_cut()
                 return resp
             if pushable and not hint:
@@ -170,7 +190,7 @@ async def pushed(request: web.Request, follower: Follower, render) -> list[Event
     its writes, from the follower's place."""
     transport = request.transport
     woken = asyncio.get_running_loop().create_future()
-    chunked = plain_chunked_events if render is plain_frame else chunked_events  # render's step
+    chunked = _CHUNKED.get(render, chunked_events)          # render's step
 
     def on_change() -> None:
         if woken.done():
@@ -212,3 +232,6 @@ def _chunked(resp: web.StreamResponse) -> bool:
 def _chunk(data: bytes) -> bytes:
     """`data` as one HTTP/1.1 chunk (never empty: an empty chunk ends the body)."""
     return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+_CHUNKED = {plain_frame: plain_chunked_events, typed_frame: typed_chunked_events}

@@ -61,6 +61,9 @@ class LiveStream:
     error: oai.APIError | None = None
     ended: str = ""                     # finished | cancelled | abandoned | failed
     cancel_reason: str = ""
+    detached: bool = False              # runs on without readers (a background response)
+    # The last events of a failed or cancelled stream (None: one error event).
+    ending: Callable[[oai.APIError], list[str]] | None = None
     _abandon: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
@@ -84,15 +87,19 @@ class Streams:
                                                                    "edge replica")
 
     def start(self, generation: AdmittedGeneration,
-              render: Callable[[Append], AsyncIterator[list[str]]], owner: str = ""
-              ) -> LiveStream:
+              render: Callable[[Append], AsyncIterator[list[str]]], owner: str = "",
+              stream_id: str = "", detached: bool = False,
+              ending: Callable[[oai.APIError], list[str]] | None = None) -> LiveStream:
         """Run the generation in its own task; its events go to a new log that only
         `owner` (a key id) may read or cancel. `render(append)` gives the payload
         batches of the generation's chunks; it may also hand `append` a batch itself,
         synchronously (a steady output goes to the log from the call that read it,
-        no task woken for it: LegCall.chunks)."""
-        sid = new_stream_id()
-        live = LiveStream(sid, self.store.create(sid, owner), generation)
+        no task woken for it: LegCall.chunks). `stream_id`: the log's id (default: a
+        new one); `detached`: never abandoned for want of readers; `ending`: renders
+        the last events of a failure or a cancel."""
+        sid = stream_id or new_stream_id()
+        live = LiveStream(sid, self.store.create(sid, owner), generation, detached=detached,
+                          ending=ending)
         payloads = render(functools.partial(self.store.append, live.log))
         live.task = asyncio.create_task(self._produce(live, payloads), name=f"stream-{sid}")
         # A task cancelled before its first step never runs its body: end it here then.
@@ -111,23 +118,27 @@ class Streams:
             live.ended = "failed"
             if live.log.last_seq == 0:
                 live.error = e
-            self.store.append(live.log, [error_payload(e)])
+            self.store.append(live.log, self._last_events(live, e))
         except asyncio.CancelledError:
             # Ours alone: nothing awaits this task, so the cancellation ends here.
             self._cancelled(live)
         except Exception as e:  # noqa: BLE001 (a bug must still end the stream cleanly)
             log.exception("stream %s failed", live.stream_id)
             live.ended = "failed"
-            self.store.append(live.log, [error_payload(oai.APIError(
-                500, f"internal error: {type(e).__name__}", type="internal_error"))])
+            self.store.append(live.log, self._last_events(live, oai.APIError(
+                500, f"internal error: {type(e).__name__}", type="internal_error")))
         finally:
             self._ended(live)
 
+    @staticmethod
+    def _last_events(live: LiveStream, e: oai.APIError) -> list[str]:
+        return live.ending(e) if live.ending is not None else [error_payload(e)]
+
     def _cancelled(self, live: LiveStream) -> None:
         live.ended = live.ended or "cancelled"          # "abandoned" stays
-        self.store.append(live.log, [error_payload(oai.APIError(
+        self.store.append(live.log, self._last_events(live, oai.APIError(
             499, f"the stream was cancelled ({live.cancel_reason or 'cancelled'})",
-            type="cancelled", code="stream_cancelled"))])
+            type="cancelled", code="stream_cancelled")))
 
     def _ended(self, live: LiveStream) -> None:
         """Close the log and account for the end, once."""
@@ -164,7 +175,7 @@ class Streams:
 
     def _reader_left(self, live: LiveStream) -> None:
         live.readers -= 1
-        if live.readers == 0 and not live.log.finished:
+        if live.readers == 0 and not live.log.finished and not live.detached:
             live._abandon = asyncio.get_running_loop().call_later(
                 self.resume_seconds, self._abandoned, live)
 
@@ -209,10 +220,15 @@ class Streams:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
-    async def close(self) -> None:
-        """Cancel every live generation and wait for them to end."""
+    async def cut(self, reason: str) -> None:
+        """Cancel every live generation and wait for them to end (their readers get
+        the end, with `reason`)."""
         tasks = [live.task for live in self.live.values() if live.task is not None]
         for sid in list(self.live):
-            self.cancel(sid, "the edge is shutting down")
+            self.cancel(sid, reason)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel every live generation, wait for them to end, close the store."""
+        await self.cut("the edge is shutting down")
         await self.store.close()

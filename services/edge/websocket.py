@@ -38,6 +38,7 @@ SOCKETS = web.AppKey("websockets", weakref.WeakSet)
 MAX_MESSAGE = 1 << 20
 FIRST_MESSAGE_SECONDS = 30.0
 PING_SECONDS = 20.0
+WS_CLOSE_SECONDS = 2.0     # on shutdown, how long a socket waits for its client's closing frame
 
 
 class Refused(Exception):
@@ -81,7 +82,8 @@ def _message(msg) -> dict:
 
 
 async def handle(request: web.Request) -> web.WebSocketResponse:
-    ws = web.WebSocketResponse(heartbeat=PING_SECONDS, max_msg_size=MAX_MESSAGE)
+    ws = web.WebSocketResponse(heartbeat=PING_SECONDS, max_msg_size=MAX_MESSAGE,
+                               timeout=WS_CLOSE_SECONDS)
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
     try:
@@ -170,7 +172,9 @@ async def _forward(request: web.Request, ws: web.WebSocketResponse, reader,
 
 
 async def drain(app: web.Application) -> None:
-    """On shutdown: close every WebSocket with 1001 (going away)."""
-    for ws in list(app[SOCKETS]):
+    """On shutdown: close every WebSocket with 1001 (going away), all at once; each
+    waits at most WS_CLOSE_SECONDS for its client's closing frame."""
+    async def close(ws) -> None:
         with contextlib.suppress(Exception):
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the edge is draining")
+    await asyncio.gather(*(close(ws) for ws in list(app[SOCKETS])))

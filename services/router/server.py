@@ -12,6 +12,7 @@ import time
 import grpc
 import prometheus_client
 
+from pdserve.cluster_token import read_token, shown
 from pdserve.config import RouterConfig
 from pdserve.lifecycle import freeze_startup_heap, until_signalled
 from pdserve.netaddr import hostport
@@ -42,8 +43,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.on_join = lambda: None               # called when a new worker registers
         self.edges = EdgeReports()                # the edges' admission counts
         self.metrics = RouterMetrics(self.registry)
+        self.token = read_token(cfg.cluster_token_file)
+
+    async def _check_token(self, context) -> None:
+        if not shown(context, self.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "registration needs this pool's cluster token "
+                                "(--cluster-token-file)")
 
     async def Register(self, request, context):
+        await self._check_token(context)
         w = request.worker
         if not w.worker_id or not w.address or w.role not in ROLE_NAMES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -56,6 +65,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.RegisterResponse(heartbeat_interval_ms=interval)
 
     async def Deregister(self, request, context):
+        await self._check_token(context)
         if self.registry.deregister(request.worker_id):
             log.info("worker gone: %s", request.worker_id)
         return router_pb2.DeregisterResponse()

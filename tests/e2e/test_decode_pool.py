@@ -12,7 +12,8 @@ The last tests break workers: a SIGKILLed decode worker's sessions move to the
 other; a SIGKILLed prefill worker costs no request (the decode worker prefills
 locally meanwhile) and is restarted by the supervisor, as the decode worker is;
 `pdserve chaos` in short (streaming load while workers are SIGKILLed and
-SIGSTOPped) loses no stream; a SIGTERMed decode worker leaves the router at once
+SIGSTOPped) loses no stream; a decode worker whose engine core process dies goes
+NOT_SERVING, leaves the router and exits within 5 s, its stream moving on; a SIGTERMed decode worker leaves the router at once
 but finishes the stream it is running before it exits (then it is restarted too).
 The stack runs with chaos's fault deadlines (a silent decode moves after 1.5 s), and
 with its router inside the edge (`--router-in-edge`): the workers register with the
@@ -24,6 +25,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,6 +57,8 @@ def pool(model_dir, reference):
         yield {"url": f"http://127.0.0.1:{ports['edge']}", "model": str(model_dir),
                "prefill": f"127.0.0.1:{ports['prefill']}",
                "decode-0": f"127.0.0.1:{ports['decode']}",
+               "decode_grpc": {f"decode-{i}": f"127.0.0.1:{ports['decode'] + i}"
+                               for i in range(2)},
                "prefill_metrics": f"http://127.0.0.1:{metrics}/metrics", "proc": proc,
                "decode_metrics": {f"decode-{i}": f"http://127.0.0.1:{metrics + 1 + i}/metrics"
                                   for i in range(2)}}
@@ -344,24 +348,106 @@ def test_chaos_loses_no_stream_while_workers_are_killed_and_stopped(pool):
     assert chaos.passed(r), r
 
 
-def test_a_sigtermed_decode_worker_finishes_its_stream_then_exits(pool):
-    """Runs last: the decode worker it stops is being restarted at teardown."""
-    _wait_healthy(pool)
+def _long_stream(pool) -> urllib.request.Request:
+    """A STREAM_TOKENS-token streamed completion (greedy, usage in its last event)."""
     body = {"model": pool["model"], "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{pool['url']}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    return urllib.request.Request(f"{pool['url']}/v1/completions",
+                                  data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})
+
+
+def _sse_events(response):
+    """The JSON events of an SSE response, up to its [DONE]."""
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        if line.strip() == b"data: [DONE]":
+            return
+        yield json.loads(line[6:])
+
+
+def _watch_health(address: str, service: str, seen: list) -> threading.Thread:
+    """Follows `service`'s gRPC health on `address` into `seen` ((status name, when)),
+    until the server goes away."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def follow():
+        with grpc.insecure_channel(address) as ch:
+            try:
+                for r in health_pb2_grpc.HealthStub(ch).Watch(
+                        health_pb2.HealthCheckRequest(service=service), timeout=60):
+                    seen.append((health_pb2.HealthCheckResponse.ServingStatus.Name(r.status),
+                                 time.monotonic()))
+            except grpc.RpcError:
+                pass                                   # the worker exited
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    return t
+
+
+def _engine_core(worker: psutil.Process) -> psutil.Process:
+    """The worker's vLLM engine core: the child process AsyncLLM started."""
+    cores = [p for p in worker.children(recursive=True)
+             if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    assert len(cores) == 1, [(p.pid, p.name(), p.cmdline()) for p in worker.children()]
+    return cores[0]
+
+
+def test_a_decode_worker_whose_engine_core_dies_exits_and_its_stream_moves(pool):
+    """SIGKILL one worker's engine core mid-stream: its gRPC health (the liveness
+    name too) turns NOT_SERVING, it leaves the router and exits (code 70) within
+    5 s, the supervisor restarts it, and the stream finishes on the other worker."""
+    from pdserve.services.worker.engine_watch import ENGINE_ALIVE, EXIT_ENGINE_DEAD
+
+    _wait_whole(pool)
+    moved = metric_sum(f"{pool['url']}/metrics", "pdserve:migrations_total")
+    req = _long_stream(pool)
+    events, health, exits, killed, mark = [], [], [], None, len(pool["proc"].lines)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        worker_id = r.headers["x-pdserve-worker"]
+        worker = _worker(pool, worker_id)
+        watcher = _watch_health(pool["decode_grpc"][worker_id], ENGINE_ALIVE, health)
+        for event in _sse_events(r):
+            events.append(event)
+            if len(events) == 5:
+                _engine_core(worker).kill()
+                killed = time.monotonic()
+                # Timed apart from the stream, which goes on elsewhere meanwhile (its
+                # exit code is the supervisor's to read, below).
+                exit_watch = threading.Thread(target=lambda: (worker.wait(timeout=15),
+                                                              exits.append(time.monotonic())))
+                exit_watch.start()
+    assert killed, "the stream ended before the engine core was killed"
+    exit_watch.join(timeout=15)
+    assert exits, "the worker did not exit"
+    exited = exits[0] - killed
+    assert exited <= 5, exited
+    watcher.join(timeout=5)
+    assert [s for s, _ in health] == ["SERVING", "NOT_SERVING"], health
+    assert not any("error" in e for e in events), [e for e in events if "error" in e]
+    assert events[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
+    assert metric_sum(f"{pool['url']}/metrics", "pdserve:migrations_total") >= moved + 1
+    lines = pool["proc"].lines[mark:]
+    assert any(f"worker gone: {worker_id}" in line for line in lines)      # it said goodbye
+    assert worker_id not in _workers(pool)
+    pool["proc"].wait_for(f"pdserve: {worker_id} exited (code {EXIT_ENGINE_DEAD}); "
+                          "restarting it", timeout=10, since=mark)
+    print(f"engine core killed: {worker_id} exited {exited:.2f} s later")
+
+
+def test_a_sigtermed_decode_worker_finishes_its_stream_then_exits(pool):
+    """Runs last: the decode worker it stops is being restarted at teardown."""
+    _wait_healthy(pool)
+    req = _long_stream(pool)
     events, signalled, mark = [], None, len(pool["proc"].lines)
     with urllib.request.urlopen(req, timeout=120) as r:
         worker_id = r.headers["x-pdserve-worker"]
         worker = _worker(pool, worker_id)
-        for line in r:
-            if not line.startswith(b"data: "):
-                continue
-            if line.strip() == b"data: [DONE]":
-                break
-            events.append(json.loads(line[6:]))
+        for event in _sse_events(r):
+            events.append(event)
             if len(events) == 1:
                 signalled = time.monotonic()
                 worker.send_signal(signal.SIGTERM)             # the worker alone, as k8s does

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import parse_sse
 
 ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "k8s" / "base" / "grafana" / "pdserve-dashboard.json"
+K8S = ROOT / "k8s"
+DASHBOARD = K8S / "base" / "grafana" / "pdserve-dashboard.json"
 # Long enough for the P/D path (the router prefills short prompts on the decode worker).
 PROMPT = " ".join(f"word{i} is number {i}," for i in range(40))
 MAX_TOKENS = 6
@@ -242,12 +243,18 @@ def test_every_service_metrics_move_by_what_one_request_did(stack):
 _SERIES = re.compile(r"\b((?:pdserve|vllm):[A-Za-z0-9_]+)")
 
 
-def test_the_dashboard_queries_only_series_the_stack_serves(stack):
-    board = json.loads(DASHBOARD.read_text())
+def _served(stack) -> set[str]:
+    """Every series name the stack's processes serve on their /metrics."""
     served = set()
     for url in (f"{stack.url}/metrics", stack.prefill_metrics, stack.decode_metrics,
                 stack.router_metrics):
         served |= {name for name, _ in _scrape(url)}
+    return served
+
+
+def test_the_dashboard_queries_only_series_the_stack_serves(stack):
+    board = json.loads(DASHBOARD.read_text())
+    served = _served(stack)
     panels = [p for p in board["panels"] if p.get("type") != "row"]
     assert len(panels) >= 10 and len({p["id"] for p in board["panels"]}) == len(board["panels"])
     queried = set()
@@ -266,3 +273,37 @@ def test_the_dashboard_queries_only_series_the_stack_serves(stack):
                    "pdserve:kv_transfer_bytes_total", "pdserve:kv_transfer_failures_total",
                    "pdserve:kv_leases_total"):
         assert needed in queried, needed
+
+
+def _queries() -> dict[str, str]:
+    """Every PromQL query the manifests ship, by where it is: the KEDA ScaledObjects'
+    triggers, the PrometheusRules' alerts, the dashboard's panels."""
+    import yaml
+
+    out = {}
+    for doc in yaml.safe_load_all((K8S / "components/keda/scaledobjects.yaml").read_text()):
+        for t in doc["spec"]["triggers"]:
+            out[f"ScaledObject {doc['metadata']['name']}/{t['name']}"] = t["metadata"]["query"]
+    rules = K8S / "components/monitoring/prometheusrules.yaml"
+    for doc in yaml.safe_load_all(rules.read_text()):
+        for group in doc["spec"]["groups"]:
+            for rule in group["rules"]:
+                out[f"PrometheusRule {rule.get('alert') or rule['record']}"] = rule["expr"]
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for i, target in enumerate(panel.get("targets", [])):
+            out[f"dashboard panel {panel['title']}/{i}"] = target["expr"]
+    return out
+
+
+def test_every_series_autoscaling_alerts_and_dashboards_query_is_served(stack):
+    """A query on a series no process serves is empty: an autoscaler that never fires,
+    an alert that never rings. Each one names only series the live stack serves (after
+    one request: a labelled series appears with its first event)."""
+    _stream_chat(stack, salt="series")
+    served = _served(stack)
+    queries = _queries()
+    assert sum(k.startswith("ScaledObject") for k in queries) >= 3
+    assert sum(k.startswith("PrometheusRule") for k in queries) >= 6
+    missing = {where: sorted(set(_SERIES.findall(q)) - served) for where, q in queries.items()}
+    assert not {w: m for w, m in missing.items() if m}, missing
+    assert all(_SERIES.findall(q) for q in queries.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 from smg_grpc_proto import vllm_engine_pb2_grpc
@@ -39,6 +39,7 @@ class EdgeStack:
     inference: str                                   # the first edge's Inference gRPC API
     engines: list[tuple[SyntheticEngine, Server]]    # every decode engine, with its server
     registry: WorkerRegistry | None = None           # the router's view of the engines
+    routers: list = field(default_factory=list)      # every router replica (the first's registry)
 
     def body(self, max_tokens: int = 20, **extra) -> dict:
         return {"model": self.model, "prompt": "hello", "max_tokens": max_tokens,
@@ -68,11 +69,12 @@ class EdgeStack:
 @contextlib.asynccontextmanager
 async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity: int = 0,
                      engines: int = 1, stock_engines: bool = False, batch_from: int = 0,
-                     embedded_router: bool = False, **edge_options):
+                     embedded_router: bool = False, routers: int = 1, **edge_options):
     """Yield an EdgeStack (`replicas` edges and `engines` decode engines on one router;
     `stock_engines`: serving vLLM's engine protocol only, as `vllm ... --grpc` does;
     `batch_from`: legs open on an engine before they share its batched call, here 0;
-    `embedded_router`: the first edge runs the router's service in-process);
+    `embedded_router`: the first edge runs the router's service in-process; `routers`:
+    router replicas, each probing every engine, which the edges dial as one list);
     everything is stopped on exit."""
     encoder = PromptEncoder(str(model_dir))
     keys = edge_options.get("api_keys_file")
@@ -94,11 +96,12 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
         decoders.append((engine, server))
     router_cfg = RouterConfig(port=0, static_workers=tuple(
         ("decode", f"127.0.0.1:{server.port}") for _, server in decoders))
-    router = Router(router_cfg, probe_interval=0.5)
-    service = router.service
-    await router.start()
-    cfg = replace(EdgeConfig(model=str(model_dir), router=f"127.0.0.1:{router.port}",
-                             min_prefill_workers=0), **edge_options)
+    router_replicas = [Router(router_cfg, probe_interval=0.5) for _ in range(routers)]
+    for router in router_replicas:
+        await router.start()
+    service = router_replicas[0].service
+    cfg = replace(EdgeConfig(model=str(model_dir), router=",".join(
+        f"127.0.0.1:{r.port}" for r in router_replicas), min_prefill_workers=0), **edge_options)
     edges = []
     for _ in range(replicas):
         # embedded_router: the first edge places in its own process (`--router embedded`).
@@ -117,19 +120,21 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
     await inference_server.start()
     stack = EdgeStack(edges[0][0], cfg.name, decoders[0][0], edges[0][1],
                       [(url, app) for url, app, _, _ in edges],
-                      f"127.0.0.1:{inference_server.port}", decoders, service.registry)
+                      f"127.0.0.1:{inference_server.port}", decoders, service.registry,
+                      router_replicas)
     try:
         # Until the router's probes found every engine serving: a request placed before
         # then sees fewer workers than the test started (a session's home would move).
-        await stack.until(lambda: sum(w.serving for w in stack.registry.snapshot())
-                          == engines, timeout=20)
+        await stack.until(lambda: all(sum(w.serving for w in r.service.registry.snapshot())
+                                      == engines for r in router_replicas), timeout=20)
         yield stack
     finally:
         await inference_server.stop(0)
         for _, _, runner, orchestrator in edges:
             await runner.cleanup()
             await orchestrator.close()
-        await router.stop(grace=0)
+        for router in router_replicas:
+            await router.stop(grace=0)
         for engine, server in decoders:
             engine.thaw()
             await server.stop(0)

@@ -31,6 +31,10 @@ CUSTOM_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): K8S / "schemas" / "keda.sh_scaledobject_v1alpha1.json",
     ("inference.networking.k8s.io/v1", "InferencePool"):
         K8S / "schemas" / "inference.networking.k8s.io_inferencepool_v1.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"):
+        K8S / "schemas" / "monitoring.coreos.com_podmonitor_v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"):
+        K8S / "schemas" / "monitoring.coreos.com_prometheusrule_v1.json",
 }
 POD_IP = "10.1.2.3"             # what the downward API gives, for parsing only
 
@@ -212,6 +216,7 @@ def parse(container: Container) -> Process:
     from smg_grpc_proto import vllm_engine_pb2
 
     from pdserve.cli import _config, _parser
+    from pdserve.services.worker.engine_watch import ENGINE_ALIVE
     from pdserve.v1 import inference_pb2, router_pb2, transfer_pb2
 
     argv = container.argv
@@ -230,7 +235,7 @@ def parse(container: Container) -> Process:
                        stop_grace=2.0)
     if a.command in ("prefill", "decode"):
         # services/worker/main.py: the engine protocol, plus the lease service on prefill.
-        names = {"", full(vllm_engine_pb2, "VllmEngine")}
+        names = {"", full(vllm_engine_pb2, "VllmEngine"), ENGINE_ALIVE}
         if a.command == "prefill":
             names.add(full(transfer_pb2, "KVTransfer"))
         listens = {"grpc": a.port, "kv": a.kv_port}
@@ -239,8 +244,11 @@ def parse(container: Container) -> Process:
         # after the drain: server stop grace 1 s, then the engine's shutdown (~10 s)
         return Process(a.command, a, listens, frozenset(names), a.drain_seconds, 11.0)
     if a.command == "edge":
+        # after the drain: every shutdown timeout of services/edge/server.py
+        from pdserve.services.edge.server import stop_budget
         return Process("edge", a, {"http": a.port, "grpc": a.grpc_port},
-                       frozenset({"", full(inference_pb2, "Inference")}), a.drain_seconds, 1.0)
+                       frozenset({"", full(inference_pb2, "Inference")}), a.drain_seconds,
+                       stop_budget(0))
     return Process(a.command, a, {}, frozenset())
 
 

@@ -4,9 +4,12 @@ and the NetworkPolicies allow exactly the architecture's flows."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import tomllib
 
 import pytest
+import yaml
 from k8s_manifests import (
     OVERLAYS,
     ROOT,
@@ -16,9 +19,12 @@ from k8s_manifests import (
     parse,
     pods,
     render,
+    tool,
 )
 
+from pdserve.netaddr import split_hostport
 from pdserve.services.edge.openapi import SPEC
+from pdserve.services.worker.engine_watch import ENGINE_ALIVE
 
 SERVING = ("edge", "router", "prefill", "decode")
 
@@ -64,9 +70,9 @@ def test_probes_reach_served_ports_and_registered_health_services(overlay):
             else:
                 assert c.port(probe["tcpSocket"]["port"]) in proc.listens.values(), where
         if proc.command in ("prefill", "decode"):
-            # A draining worker sets every health service NOT_SERVING: liveness must not
-            # be one of them, or the kubelet would kill it mid-drain.
-            assert "tcpSocket" in c.spec["livenessProbe"], name
+            # A draining worker sets every service's health NOT_SERVING: liveness must ask
+            # the name only a dead engine fails, or the kubelet would kill it mid-drain.
+            assert c.spec["livenessProbe"]["grpc"]["service"] == ENGINE_ALIVE, name
             assert "grpc" in c.spec["startupProbe"], name
 
 
@@ -100,9 +106,10 @@ def _ucx_range(pod) -> str:
     return pod.main.env["UCX_TCP_PORT_RANGE"]
 
 
-def _architecture(procs, extra_pods) -> set[tuple[str, str, str]]:
+def _architecture(procs, extra_pods, services) -> set[tuple[str, str, str]]:
     """The flows the design needs (docs/architecture.md, k8s/base/networkpolicy.yaml), from
-    the ports each process is configured to listen on."""
+    the ports each process is configured to listen on and the addresses it dials
+    (`services`: Service name -> the component it selects)."""
     grpc = {n: f"TCP/{p.listens['grpc']}" for n, (_, p) in procs.items()}
     metrics = {n: f"TCP/{p.listens['metrics']}" for n, (_, p) in procs.items()
                if "metrics" in p.listens}
@@ -111,27 +118,52 @@ def _architecture(procs, extra_pods) -> set[tuple[str, str, str]]:
     assert len(ucx) == 1, f"prefill and decode disagree on UCX_TCP_PORT_RANGE: {ucx}"
     ucx = ucx.pop()
     flows = {("anyone", "edge", f"TCP/{procs['edge'][1].listens['http']}"),
-             ("anyone", "edge", grpc["edge"])}
+             ("inference-clients", "edge", grpc["edge"])}
     flows |= {("edge", w, grpc[w]) for w in ("router", "prefill", "decode")}
     flows |= {(w, "router", grpc["router"]) for w in ("prefill", "decode")}
     flows |= {("router", w, grpc[w]) for w in ("prefill", "decode")}
     flows |= {("decode", "prefill", grpc["prefill"]), ("decode", "prefill", kv),
               ("decode", "prefill", ucx), ("prefill", "decode", ucx)}
     flows |= {("monitoring", n, port) for n, port in metrics.items()}
-    flows |= {(n, "kube-dns", proto) for n in list(procs) + extra_pods
-              for proto in ("UDP/53", "TCP/53")}
+    flows |= {(n, dns, proto) for n in list(procs) + extra_pods
+              for dns in ("kube-dns", "node-local-dns") for proto in ("UDP/53", "TCP/53")}
+    store = procs["edge"][1].args.stream_store
+    if store.startswith("redis://"):         # the edge's stream logs, in a Redis it dials
+        host, port = split_hostport(store[len("redis://"):])
+        owner = services[host]
+        assert owner in extra_pods, f"redis {host} is no pod of this render"
+        flows.add(("edge", owner, f"TCP/{port}"))
     if "model-download" in extra_pods:       # h100: the one way out, to the model hub
         flows.add(("model-download", "internet", "TCP/443"))
+    if "epp" in extra_pods:                  # inference-extension: the endpoint picker
+        flows |= {("gateway", "epp", "TCP/9002"), ("gateway", "epp", "TCP/9003"),
+                  ("monitoring", "epp", "TCP/9090"),
+                  ("epp", "edge", f"TCP/{procs['edge'][1].listens['http']}"),
+                  ("epp", "internet", "TCP/443"), ("epp", "internet", "TCP/6443")}
     return flows
+
+
+def _operator_pods(docs) -> dict[str, dict[str, str]]:
+    """Pods the operator deploys beside the render, by the labels the manifests ask for:
+    the inference-extension's endpoint picker."""
+    return ({"epp": {"app.kubernetes.io/name": "pdserve-epp"}}
+            if by_kind(docs, "InferencePool") else {})
+
+
+_IP_BLOCKS = {"0.0.0.0/0": "internet", "169.254.20.10/32": "node-local-dns"}
 
 
 def _peer(entry: dict, pod_labels: dict[str, dict]) -> list[str]:
     """The components (or named outside parties) a from/to entry stands for."""
     if "ipBlock" in entry:
-        assert entry["ipBlock"]["cidr"] == "0.0.0.0/0"
-        return ["internet"]
+        return [_IP_BLOCKS[entry["ipBlock"]["cidr"]]]
     if "namespaceSelector" in entry:
-        ns = entry["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        labels = entry["namespaceSelector"]["matchLabels"]
+        if labels == {"pdserve.io/inference-api": "allowed"}:
+            return ["inference-clients"]         # the namespaces the operator labels
+        if labels == {"pdserve.io/inference-gateway": "allowed"}:
+            return ["gateway"]
+        ns = labels["kubernetes.io/metadata.name"]
         pods_ = entry.get("podSelector", {}).get("matchLabels", {})
         return {"monitoring": ["monitoring"]}.get(ns) or (
             ["kube-dns"] if (ns, pods_) == ("kube-system", {"k8s-app": "kube-dns"}) else [ns])
@@ -159,7 +191,7 @@ def _allowed(docs) -> set[tuple[str, str, str]]:
     """The flows the NetworkPolicies allow: in the namespace, a flow needs the source's
     egress and the destination's ingress; across its edge, the one side that is ours."""
     templates = pods(docs)
-    labels = {n: p.labels for n, p in templates.items()}
+    labels = {n: p.labels for n, p in templates.items()} | _operator_pods(docs)
     egress, ingress = set(), set()
     for policy in by_kind(docs, "NetworkPolicy").values():
         sel = policy["spec"]["podSelector"].get("matchLabels", {})
@@ -169,7 +201,7 @@ def _allowed(docs) -> set[tuple[str, str, str]]:
                 sources = [p for e in rule.get("from", [{"anyone": True}])
                            for p in (["anyone"] if "anyone" in e else _peer(e, labels))]
                 ingress |= {(s, n, port) for s in sources
-                            for port in _ports(rule, templates[n])}
+                            for port in _ports(rule, templates.get(n))}
             for rule in policy["spec"].get("egress", []):
                 for e in rule["to"]:
                     for d in _peer(e, labels):
@@ -183,17 +215,48 @@ def _allowed(docs) -> set[tuple[str, str, str]]:
     flows |= {f for f in ingress if f[0] not in inside}
     flows |= {f for f in egress if f[1] in inside and (f in ingress
                                                       or ("anyone",) + f[1:] in ingress)}
-    one_sided = {f for f in egress ^ ingress if f[0] in inside and f[1] in inside}
+    one_sided = {f for f in egress ^ ingress if f[0] in inside and f[1] in inside
+                 and ("anyone",) + f[1:] not in ingress}
     assert not one_sided, f"allowed on one side only (dead or missing rules): {one_sided}"
     return flows
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policies_allow_exactly_the_architecture(overlay):
-    docs = render(overlay)
+    _check_flows(render(overlay))
+
+
+def _services(docs) -> dict[str, str]:
+    """Service name -> the component whose pods it selects."""
+    labels = {n: p.labels for n, p in pods(docs).items()}
+    return {name: next(n for n, lab in labels.items()
+                       if svc["spec"]["selector"].items() <= lab.items())
+            for name, svc in by_kind(docs, "Service").items()}
+
+
+def _check_flows(docs) -> None:
     procs = _processes(docs)
-    extra = [n for n in pods(docs) if n not in procs]
-    assert _allowed(docs) == _architecture(procs, extra)
+    extra = [n for n in pods(docs) if n not in procs] + list(_operator_pods(docs))
+    allowed, needed = _allowed(docs), _architecture(procs, extra, _services(docs))
+    assert not needed - allowed, f"flows the policies block: {sorted(needed - allowed)}"
+    assert not allowed - needed, f"flows nothing needs: {sorted(allowed - needed)}"
+
+
+def test_the_redis_component_opens_exactly_the_edge_to_redis_flow(tmp_path):
+    """cpu-dev with components/redis: the edges' stream store is the component's Redis
+    (from the edge's own --stream-store, by way of pdserve-config), and the policies
+    open edge -> redis and nothing more."""
+    shutil.copytree(ROOT / "k8s", tmp_path / "k8s")
+    overlay = tmp_path / "k8s" / "overlays" / "with-redis"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        "resources: [../cpu-dev]\ncomponents: [../../components/redis]\n")
+    out = subprocess.run([tool("kubectl"), "kustomize", str(overlay)], capture_output=True,
+                         text=True, timeout=60, check=True)
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert _processes(docs)["edge"][1].args.stream_store == "redis://pdserve-redis:6379"
+    _check_flows(docs)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -216,7 +279,7 @@ def test_pods_are_labelled_unprivileged_and_reference_what_exists(overlay):
     names = {k: set(by_kind(docs, k)) for k in ("ConfigMap", "Secret",
                                                 "PersistentVolumeClaim")}
     # docs/operations.md: kubectl create secret
-    operator_made = {"pdserve-api-keys", "pdserve-tenant-salt"}
+    operator_made = {"pdserve-api-keys", "pdserve-cluster-token", "pdserve-tenant-salt"}
     for name, pod in pods(docs).items():
         labels = pod.labels
         assert labels["app.kubernetes.io/name"] == labels["app.kubernetes.io/part-of"] == "pdserve"
@@ -283,3 +346,40 @@ def test_dockerfile_builds_the_extras_the_manifests_run():
     for overlay in OVERLAYS:
         for pod in pods(render(overlay)).values():
             assert pod.spec["securityContext"]["runAsUser"] == user
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions In/NotIn/Exists) matches."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        value = labels.get(e["key"])
+        if (e["operator"] == "In" and value not in e["values"]
+                or e["operator"] == "NotIn" and value in e["values"]
+                or e["operator"] == "Exists" and value is None):
+            return False
+    return True
+
+
+def test_the_prometheus_operator_scrapes_every_metrics_port():
+    """Every port a pdserve process serves /metrics on (the workers' and the router's
+    --metrics-port, the edge's HTTP port) is a PodMonitor endpoint, with the path the
+    process serves; every PodMonitor endpoint is such a port (h100 runs the Operator)."""
+    docs = render("h100")
+    monitors = by_kind(docs, "PodMonitor")
+    scraped = {}                        # component -> {(port number, path)}
+    for monitor in monitors.values():
+        chosen = [(n, pod) for n, (pod, _) in _processes(docs).items()
+                  if _selects(monitor["spec"]["selector"], pod.labels)]
+        assert chosen, f"PodMonitor {monitor['metadata']['name']} selects no pod"
+        for name, pod in chosen:
+            for ep in monitor["spec"]["podMetricsEndpoints"]:
+                scraped.setdefault(name, set()).add((pod.main.port(ep["port"]), ep["path"]))
+    for name, (pod, proc) in _processes(docs).items():
+        served = ({(proc.listens["http"], "/metrics")} if name == "edge"
+                  else {(proc.listens["metrics"], "/metrics")})
+        assert scraped.get(name) == served, (name, scraped.get(name), served)
+        # ... and for a Prometheus without the Operator, the same port in the annotations.
+        annotations = pod.template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", name
+        assert int(annotations["prometheus.io/port"]) in {p for p, _ in served}, name

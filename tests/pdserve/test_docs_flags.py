@@ -94,7 +94,7 @@ def _parser_of(run, argv=()) -> argparse.ArgumentParser:
 def commands() -> dict[str, argparse.ArgumentParser]:
     """Every `pdserve` command's parser, by its name (`pdserve` for the global flags)."""
     from pdserve import cli
-    from pdserve.bench import chaos, window
+    from pdserve.bench import chaos, resume, window
     from pdserve.bench import cli as bench
 
     main = cli._parser()
@@ -108,6 +108,7 @@ def commands() -> dict[str, argparse.ArgumentParser]:
     for name in ("gateways", "router", "placement", "sessions", "edge", "admission"):
         out[f"pdserve bench {name}"] = _parser_of(getattr(bench, f"_{name}"))
     out["pdserve bench window"] = _parser_of(window.main)
+    out["pdserve bench resume"] = resume.parser()
     return out
 
 

@@ -145,3 +145,31 @@ def test_only_the_edge_leaves_loopback():
     assert cfgs["edge"].host == "0.0.0.0"
     assert {cfgs[n].host for n in ("router", "prefill-0", "decode-0")} == {"127.0.0.1"}
     assert cfgs["decode-0"].router == cfgs["edge"].router == "127.0.0.1:50051"
+
+
+@pytest.mark.parametrize("in_edge", [False, True])
+def test_the_stack_shares_one_cluster_token_file(in_edge):
+    a = _parser().parse_args(["up", "--prefill-cpus", "0", "--decode-cpus", "1"]
+                             + (["--router-in-edge"] if in_edge else []))
+    plan = {name: cmd for name, cmd, _ in _commands(a, _config(a), "/run/token")}
+    # Whoever serves the Router service checks it; every worker shows it.
+    checks = "edge" if in_edge else "router"
+    for name in (checks, "prefill-0", "decode-0"):
+        assert _flag(plan[name], "--cluster-token-file") == "/run/token", name
+    for name, cmd in plan.items():
+        assert _parser().parse_args(cmd[cmd.index("pdserve.cli") + 1:])   # flags it accepts
+
+
+def test_up_with_keys_makes_its_edge_a_salt_secret(tmp_path):
+    from pdserve.supervisor import _salt_secret
+    a = _parser().parse_args(["up", "--api-keys-file", "/run/keys"])
+    _salt_secret(a, str(tmp_path))
+    secret = tmp_path / "tenant-salt"
+    assert a.tenant_salt_file == str(secret) and len(secret.read_bytes()) >= 32
+    assert secret.stat().st_mode & 0o777 == 0o600
+    edge = _commands(a, _config(a), "/run/token")[-1][1]
+    cfg = _config(_parser().parse_args(edge[edge.index("edge"):]))
+    assert cfg.tenant_salt_file == str(secret)
+    given = _parser().parse_args(["up", "--api-keys-file", "k", "--tenant-salt-file", "/s"])
+    _salt_secret(given, str(tmp_path / "none"))
+    assert given.tenant_salt_file == "/s"
