@@ -67,3 +67,12 @@ def test_a_group_member_scores_the_shared_prefix_only():
     decision, decode, _ = place(_registry(3), _req(IDS, cache_salt=shared(13, "g", "tenant-b")),
                                 Policy(), index)
     assert decode.info.worker_id == "d2" and decision.cached_tokens == 12
+
+
+def test_a_stored_blocks_salt_is_its_text_extra_key():
+    from smg_grpc_proto.generated import common_pb2
+    from pdserve.services.router.probes import block_salt
+    salted = common_pb2.KvBlock(block_hash=1, token_ids=[1, 2], extra_keys=[
+        common_pb2.KvBlockExtraKey(number=7), common_pb2.KvBlockExtraKey(text="tenant-a")])
+    assert block_salt(salted) == "tenant-a"
+    assert block_salt(common_pb2.KvBlock(block_hash=2, token_ids=[3, 4])) == ""
