@@ -122,10 +122,10 @@ class TenantSalts:
             if p.tenants is None or tenant in p.tenants:
                 n = p.common(prompt)
                 if n > best:
-                    # Everyone's prefix is unsalted; a group's carries the group's salt.
+                    # Salted still (every tenant's, or the group's): never shared with
+                    # requests that do not come through this deployment's keys.
                     best = n
-                    group = "" if p.tenants is None else _mac(
-                        self._secret, "group", *sorted(p.tenants))
+                    group = _mac(self._secret, "group", *sorted(p.tenants or ("*",)))
         return shared(best, group, own)
 
 

@@ -152,3 +152,15 @@ def test_a_malformed_shared_prefix_file_is_refused(model_dir, tmp_path, entries)
     path.write_text(entries)
     with pytest.raises(SaltConfigError, match="shared-prefixes-file"):
         load_shared(str(path), PromptEncoder(str(model_dir)))
+
+
+def test_a_prefix_for_every_tenant_is_still_salted_apart_from_unkeyed_traffic(model_dir,
+                                                                               tmp_path):
+    encoder = PromptEncoder(str(model_dir))
+    system = "House rules: be brief, be kind, cite the manual. " * 6
+    path = tmp_path / "shared.json"
+    path.write_text(json.dumps([{"text": system}]))
+    salts = TenantSalts(SECRET, load_shared(str(path), encoder))
+    prompt = encoder.encode_text(system + "Hello?")
+    a, z = (plan(salts.salt(t, "", prompt)) for t in ("alice", "zed"))
+    assert a.first == z.first != "" and a.at == z.at > 16 and a.rest != z.rest
