@@ -15,8 +15,9 @@ one string with two forms:
 
 The edge sends it to the workers as `METADATA_KEY` on every Generate call (prefill
 and decode legs, moved and restarted legs alike) and to the router in
-`RouteRequest.cache_salt`. `salt_key` is the 64-bit form the router's prefix index folds into its block keys
-(services/router/keystore.py): the parent of the salted block is XORed with it.
+`RouteRequest.cache_salt`. `salt_key` is the 64-bit form the router's prefix index
+folds into its block keys (services/router/keystore.py): the parent key of the
+salted block is XORed with it.
 """
 from __future__ import annotations
 

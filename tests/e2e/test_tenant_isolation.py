@@ -92,9 +92,10 @@ def test_a_tenant_hits_its_own_cache_and_never_anothers(stack, keyed_edge):
 
 
 def test_a_declared_shared_prefix_is_reused_across_tenants_and_only_it(stack, keyed_edge):
-    _send(keyed_edge, stack.model, ALICE, SYSTEM + " Question: which rule covers refunds?")
+    prompt = SYSTEM + " Question: which rule covers refunds?"
+    _send(keyed_edge, stack.model, ALICE, prompt)
     h0 = _hits(stack)
-    _, cached = _send(keyed_edge, stack.model, BOB, SYSTEM + " Question: which rule covers refunds?")
+    _, cached = _send(keyed_edge, stack.model, BOB, prompt)
     b = _rise(stack, h0)
     shared_tokens = len(_tokens(keyed_edge, stack.model, SYSTEM)) // 128 * 128
     assert shared_tokens >= 256
