@@ -23,6 +23,7 @@ import time
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from pdserve.cache_salt import METADATA_KEY
 from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 
@@ -66,6 +67,7 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.running: dict[str, asyncio.Task] = {}
         self.generated = 0                      # chunks sent, all streams
         self.requests: dict[str, tuple[list[int], int]] = {}
+        self.salts: dict[str, str] = {}         # request id -> the cache salt it came with
         self.batched = None                     # its BatchedGenerate servicer, once served
         self._thawed = asyncio.Event()
         self._thawed.set()
@@ -86,6 +88,7 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
             "max_tokens") else 16
         prompt = len(request.tokenized.input_ids)
         self.requests[rid] = (list(request.tokenized.input_ids), n)
+        self.salts[rid] = dict(context.invocation_metadata() or ()).get(METADATA_KEY, "")
         self.running[rid] = asyncio.current_task()
         start, out = time.monotonic(), []
         try:
