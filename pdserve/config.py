@@ -225,6 +225,10 @@ class EdgeConfig:
     # Streams (services/edge/streams.py): where their logs live, how long a
     # dropped generation waits for its reader, how much each log keeps.
     api_keys_file: str = ""              # KEY TENANT PRIORITY [rps=N] [tpm=N] per line; "" open
+    # The secret each tenant's cache salt is keyed with (services/edge/tenant_salt.py):
+    # needed with keys, the same on every edge of a deployment.
+    tenant_salt_file: str = ""
+    shared_prefixes_file: str = ""       # prompt prefixes tenants share (JSON; "" none)
     max_request_bytes: int = 1 << 20     # a larger body is 413
     # Admission (services/edge/admission.py): what may wait for room in the pool.
     admission: bool = True               # False: admit everything at once (a baseline)
@@ -269,6 +273,13 @@ class EdgeConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a path or a model name")
+        if self.api_keys_file and not self.tenant_salt_file:
+            raise ValueError("tenant_salt_file: an edge with API keys needs the deployment's "
+                             "salt secret (--tenant-salt-file or PDSERVE_TENANT_SALT_FILE), "
+                             "which keeps tenants' KV caches apart")
+        if self.shared_prefixes_file and not self.api_keys_file:
+            raise ValueError("shared_prefixes_file: shared prefixes need API keys (an open "
+                             "edge shares every prefix already)")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

@@ -112,8 +112,8 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
 
 
 # The edge's admission and stream flags, which `up` passes to its edge unchanged.
-EDGE_FLAGS = ("api_keys_file", "max_request_bytes", "admission", "admission_queue",
-              "admission_wait_seconds", "drain_seconds",
+EDGE_FLAGS = ("api_keys_file", "tenant_salt_file", "shared_prefixes_file", "max_request_bytes",
+              "admission", "admission_queue", "admission_wait_seconds", "drain_seconds",
               "stream_store", "stream_resume_seconds", "stream_ttl_seconds",
               "stream_max_events", "stream_stall_seconds", "sse_keepalive_seconds",
               "response_ttl_seconds",
@@ -138,6 +138,13 @@ def _add_admission_flags(g: argparse._ArgumentGroup, d: EdgeConfig) -> None:
     g.add_argument("--api-keys-file", default=_env("PDSERVE_API_KEYS_FILE", ""),
                    help="API keys, one `KEY TENANT high|normal|low [rps=N] [tpm=N]` per line "
                         "(none: the API is open to whoever reaches the port)")
+    g.add_argument("--tenant-salt-file", default=_env("PDSERVE_TENANT_SALT_FILE", ""),
+                   help="the secret (>= 16 bytes) each tenant's KV-cache salt is keyed with; "
+                        "required with --api-keys-file, the same on every edge (`up` makes "
+                        "one when not given)")
+    g.add_argument("--shared-prefixes-file", default=_env("PDSERVE_SHARED_PREFIXES_FILE", ""),
+                   help="prompt prefixes (system prompts) whose KV tenants share, JSON: "
+                        '[{"system" or "text": T, "tenants": [names]}] (docs/tenant-isolation.md)')
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="a request body larger than this is refused (413)")
     g.add_argument("--admission", action=argparse.BooleanOptionalAction, default=d.admission,

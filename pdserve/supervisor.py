@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -233,6 +234,18 @@ class Children:
             self.start(name, now)
 
 
+def _salt_secret(a: argparse.Namespace, directory: str) -> None:
+    """With keys and no salt secret: a fresh one for this stack's edge, in a file only
+    this user reads under `directory` (gone with the stack), as `a.tenant_salt_file`."""
+    if not a.api_keys_file or a.tenant_salt_file:
+        return
+    path = Path(directory) / "tenant-salt"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    a.tenant_salt_file = str(path)
+
+
 def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     """Run until signalled (0) or a child crash-loops (1)."""
     if not a.model:
@@ -245,6 +258,7 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
     # reads; gone with the stack.
     secrets_dir = tempfile.TemporaryDirectory(prefix="pdserve-up-")
     token_file = write_token(secrets_dir.name)
+    _salt_secret(a, secrets_dir.name)
     children = Children({name: (cmd, env) for name, cmd, env
                          in _commands(a, eng, token_file)})
     health = f"http://{hostport(dialable(a.host), a.port)}/health"

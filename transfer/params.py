@@ -16,6 +16,7 @@ Keys it does not name pass through untouched: vLLM's connector owns them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -39,6 +40,9 @@ LEASE_SECONDS = "pdserve_lease_seconds"
 # ... so that a gateway forwarding them at once can say so: the first use of a
 # lease, within its first lease minus a second, needs no claim (transfer/claim.py).
 FRESH_LEASE = "pdserve_lease_fresh"
+# A digest of the cache salt the prefill computed the blocks under (pdserve/cache_salt.py),
+# in the params it returns: a decode worker pulls them only into a request of the same salt.
+SALT_TAG = "pdserve_salt_tag"
 
 # The gRPC health name under which a decode worker answers SERVING when it takes a
 # decode request whose prompt goes on past the prefill's `remote_num_tokens` (the
@@ -103,6 +107,25 @@ def check_prefill_answer(params: dict[str, Any]) -> dict[str, Any]:
 def with_lease_seconds(prefill_params: dict[str, Any], seconds: float) -> dict[str, Any]:
     """A prefill's answer that says how long its worker holds the lease."""
     return {**prefill_params, LEASE_SECONDS: seconds}
+
+
+def salt_tag(cache_salt: str) -> str:
+    """The `SALT_TAG` of a salt ("" for none): a digest, so params never carry the salt."""
+    if not cache_salt:
+        return ""
+    return hashlib.sha256(b"pdserve salt tag\0" + cache_salt.encode()).hexdigest()[:16]
+
+
+def with_salt_tag(prefill_params: dict[str, Any], cache_salt: str) -> dict[str, Any]:
+    """A prefill's answer that names the salt its blocks were computed under."""
+    return {**prefill_params, SALT_TAG: salt_tag(cache_salt)}
+
+
+def salt_mismatch(params: dict[str, Any], cache_salt: str) -> bool:
+    """Whether a pull's blocks were computed under another salt than the request's (a
+    prefill that names none, a stock worker's, is taken at its word)."""
+    tag = params.get(SALT_TAG)
+    return tag is not None and tag != salt_tag(cache_salt)
 
 
 def request_params_for_decode(prefill_params: dict[str, Any],

@@ -3,7 +3,8 @@
     pdserve bench serve [vllm bench serve flags]   one endpoint, vLLM's own benchmark
     pdserve bench compare [--quick] [--json]        P/D vs colocated, side by side
     pdserve bench gateways [--json]                 pdserve's edge vs SMG on the same workers
-    pdserve bench router [--seeds N] [--json]       placement replayed on a chat trace (simulator)
+    pdserve bench router [--seeds N] [--tenants N --isolation MODE] [--json]
+                                                    placement replayed on a chat trace (simulator)
     pdserve bench placement [--rates R,R] [--json]  one decision's cost, C against Python, on 16
                                                     workers of 10,000 cached prefixes each
     pdserve bench sessions [--json]                 multi-turn chat on 2 decode workers: pdserve
@@ -214,14 +215,28 @@ def _router(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1,
                    help="also replay the traces of the next seeds, and summarise them all")
+    p.add_argument("--tenants", type=int, default=1,
+                   help="sessions spread over this many tenants, in groups that each share "
+                        "a system prompt")
+    p.add_argument("--isolation", choices=("none", "tenant", "shared", "compare"),
+                   default="none",
+                   help="tenants' cache salts: none, one each, one each after the group's "
+                        "system prompt; compare: the three side by side (hit rate per tenant)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if a.workers < 2 or a.sessions < 10 or a.balance < 1 or a.seeds < 1:
+    if a.workers < 2 or a.sessions < 10 or a.balance < 1 or a.seeds < 1 or a.tenants < 1:
         print("pdserve bench router: needs --workers >= 2, --sessions >= 10, --balance >= 1, "
-              "--seeds >= 1", file=sys.stderr)
+              "--seeds >= 1, --tenants >= 1", file=sys.stderr)
         return 2
-    result = run_all(SimConfig(workers=a.workers, sessions=a.sessions, seed=a.seed,
-                               balance=a.balance, balance_slack=a.balance_slack), a.seeds)
+    cfg = SimConfig(workers=a.workers, sessions=a.sessions, seed=a.seed, balance=a.balance,
+                    balance_slack=a.balance_slack, tenants=a.tenants,
+                    isolation="none" if a.isolation == "compare" else a.isolation)
+    if a.isolation == "compare":
+        from .tenant_sim import compare_isolation, table
+        result = compare_isolation(cfg)
+        print(json.dumps(result) if a.json else table(result))
+        return 0
+    result = run_all(cfg, a.seeds)
     if a.json:
         print(json.dumps(result))
         return 0

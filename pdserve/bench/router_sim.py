@@ -46,9 +46,10 @@ from collections import OrderedDict, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+from pdserve.cache_salt import plan, shared
 from pdserve.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
-from pdserve.services.router.keystore import block_keys, packed
+from pdserve.services.router.keystore import packed, salt_points, salted_block_keys
 from pdserve.services.router.placement import Policy, load_cap, place
 from pdserve.services.router.prefix_index import PrefixIndex
 from pdserve.services.router.registry import WorkerRegistry
@@ -71,6 +72,12 @@ class SimConfig:
     balance: float = 1.25
     balance_slack: int = RouterConfig().balance_slack
     leaver: int = 0                      # the first worker to leave (the next one, second)
+    # Tenants (> 1: each session one tenant's, tenant t in group t % system_prompts, whose
+    # system prompt all its sessions open with) and their cache salts: "none" (one cache
+    # for all), "tenant" (a salt each) or "shared" (a salt each after the group's
+    # system prompt, which the group shares: pdserve/cache_salt.py).
+    tenants: int = 1
+    isolation: str = "none"
 
 
 @dataclass(slots=True)
@@ -79,6 +86,18 @@ class Turn:
     session: int
     prompt: list[int]
     out: list[int]
+    tenant: int = 0
+    salt: str = ""                      # its cache salt, as the edge would send it
+
+
+def tenant_salt(cfg: SimConfig, tenant: int) -> str:
+    """Tenant `tenant`'s cache salt under `cfg.isolation`."""
+    if cfg.isolation == "none":
+        return ""
+    own = f"tenant-{tenant}"
+    if cfg.isolation == "tenant":
+        return own
+    return shared(cfg.system_tokens, f"group-{tenant % cfg.system_prompts}", own)
 
 
 def make_trace(cfg: SimConfig) -> list[Turn]:
@@ -91,12 +110,14 @@ def make_trace(cfg: SimConfig) -> list[Turn]:
     for s in range(cfg.sessions):
         burst = int(t / 20) % 3 == 2                                      # every third 20 s
         t += rng.expovariate(cfg.session_rate * (2 if burst else 1))
-        history = list(rng.choices(systems, popularity)[0])
-        at = t
+        tenant = rng.randrange(cfg.tenants) if cfg.tenants > 1 else 0
+        history = list(systems[tenant % cfg.system_prompts] if cfg.tenants > 1
+                       else rng.choices(systems, popularity)[0])
+        at, salt = t, tenant_salt(cfg, tenant)
         for _ in range(rng.randint(2, 6)):
             history += [rng.randrange(10, 30000) for _ in range(rng.randint(20, 200))]
             out = [rng.randrange(10, 30000) for _ in range(rng.randint(20, 150))]
-            turns.append(Turn(at, s, list(history), out))
+            turns.append(Turn(at, s, list(history), out, tenant, salt))
             history += out
             at += len(out) * cfg.decode_s_per_token + rng.expovariate(1 / 3.0)
     return sorted(turns, key=lambda x: x.at)
@@ -155,7 +176,8 @@ class Pdserve:
         self.index = PrefixIndex(cfg.block_size)
         self.policy = Policy(balance=cfg.balance, balance_slack=cfg.balance_slack,
                              local_below_tokens=0)
-        self.tokens: dict[int, list[int]] = {}                   # key -> its block's tokens
+        # key -> its block's tokens and the salt the engine folded into it ("" none)
+        self.tokens: dict[int, tuple[list[int], str]] = {}
         self.decision_s: list[float] = []
 
     def join(self, w: SimWorker) -> None:
@@ -168,14 +190,15 @@ class Pdserve:
 
     def events(self, worker: str, parent, stored: list[int], evicted: list[int]) -> None:
         if stored:
-            self.index.stored(worker, parent, [(k, self.tokens[k]) for k in stored])
+            self.index.stored(worker, parent, [(k, *self.tokens[k]) for k in stored])
         self.index.removed(worker, evicted)
 
     def choose(self, turn: Turn, workers: dict[str, SimWorker], now: float) -> str:
         for e in self.registry.serving(DECODE):     # the records the workers pushed by now
             e.reported(workers[e.info.worker_id].load(now))
         req = router_pb2.RouteRequest(model="m", session_id=str(turn.session),
-                                      prompt_token_ids_packed=packed(turn.prompt))
+                                      prompt_token_ids_packed=packed(turn.prompt),
+                                      cache_salt=turn.salt)
         started = time.perf_counter()
         _, decode, _ = place(self.registry, req, self.policy, self.index)
         self.decision_s.append(time.perf_counter() - started)
@@ -226,6 +249,7 @@ def simulate(cfg: SimConfig, trace: list[Turn], policy: str) -> tuple[dict, Pdse
         if router:
             router.join(w)
     hit = total = moved = moved_off_kv = crossed = 0
+    by_tenant: dict[int, list[int]] = defaultdict(lambda: [0, 0])    # tenant -> hit, total
     last: dict[int, str] = {}                   # session -> worker of its latest turn
     crossing: dict[int, str] = {}               # sessions active when a worker left
     share: dict[tuple[int, str], int] = defaultdict(int)     # (window, worker) -> requests
@@ -235,18 +259,17 @@ def simulate(cfg: SimConfig, trace: list[Turn], policy: str) -> tuple[dict, Pdse
         while events and events[0][0] <= now:
             _membership(events.pop(0), cfg, workers, router, last, crossing, busy)
         tokens = turn.prompt + turn.out
-        keys = block_keys(turn.prompt, cfg.block_size)
-        all_keys = block_keys(tokens, cfg.block_size)
-        if router:
-            for i, k in enumerate(all_keys):
-                router.tokens[k] = tokens[i * cfg.block_size:(i + 1) * cfg.block_size]
-            name = router.choose(turn, workers, now)
-        else:
-            name = baseline(turn, keys, workers, now)
+        points = salt_points(turn.salt, cfg.block_size)
+        keys = salted_block_keys(turn.prompt, cfg.block_size, *points)
+        all_keys = salted_block_keys(tokens, cfg.block_size, *points)
+        name = (_pdserve_choice(cfg, router, turn, tokens, all_keys, workers, now) if router
+                else baseline(turn, keys, workers, now))
         w = workers[name]
         held = w.hit_blocks(keys)
         cached = min(len(turn.prompt), held * cfg.block_size)
         hit, total = hit + cached, total + len(turn.prompt)
+        by_tenant[turn.tenant][0] += cached
+        by_tenant[turn.tenant][1] += len(turn.prompt)
         duration = ((len(turn.prompt) - cached) * cfg.prefill_s_per_token
                     + len(turn.out) * cfg.decode_s_per_token)
         w.serve(now, all_keys, duration, router.events if router else lambda *a: None)
@@ -266,7 +289,21 @@ def simulate(cfg: SimConfig, trace: list[Turn], policy: str) -> tuple[dict, Pdse
             "max_over_mean_load_steady": round(_max_over_mean(busy, _last_start(trace)), 3),
             "moved_fraction_on_leave": round(moved / max(1, crossed), 4),
             "moved_off_kv_fraction_on_leave": round(moved_off_kv / max(1, crossed), 4),
-            "min_worker_share": round(_min_share(share, busy), 3)}, router
+            "min_worker_share": round(_min_share(share, busy), 3),
+            **({"hit_rate_by_tenant": {t: round(h / n, 4) for t, (h, n) in
+                                       sorted(by_tenant.items())}} if cfg.tenants > 1 else {})
+            }, router
+
+
+def _pdserve_choice(cfg: SimConfig, router: Pdserve, turn: Turn, tokens: list[int],
+                    all_keys: list[int], workers: dict, now: float) -> str:
+    """pdserve's router places `turn`, knowing each block's tokens and salt (as the
+    workers' KV events would tell it)."""
+    salted = dict(plan(turn.salt).folds(cfg.block_size))
+    for i, k in enumerate(all_keys):
+        router.tokens[k] = (tokens[i * cfg.block_size:(i + 1) * cfg.block_size],
+                            salted.get(i, ""))
+    return router.choose(turn, workers, now)
 
 
 def _membership(event: tuple, cfg: SimConfig, workers: dict, router, last: dict,
@@ -398,8 +435,8 @@ def run_all(cfg: SimConfig, seeds: int = 1) -> dict:
                         for c, trace_i in _traces(cfg, seeds)]
         result["over_seeds"] = {
             "seeds": list(range(cfg.seed, cfg.seed + seeds)),
-            "policies": {name: {k: _spread([run[name][k] for run in runs]) for k in out[name]}
-                         for name in POLICIES},
+            "policies": {name: {k: _spread([run[name][k] for run in runs]) for k in out[name]
+                                if k != "hit_rate_by_tenant"} for name in POLICIES},
             "targets_met_by_seed": {k: [_targets(cfg, run)[k] for run in runs]
                                     for k in result["targets"] if k != "decision_p99_le_100us"}}
     return result

@@ -28,6 +28,7 @@ import time
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from pdserve.cache_salt import METADATA_KEY
 from pdserve.netaddr import hostport
 from pdserve.rpc import Server
 from pdserve.services.edge.detokenizer import byte_level_alphabet
@@ -99,6 +100,7 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.generated = 0                      # chunks sent, all streams
         self.http_streams = 0                   # SSE streams running on the HTTP face
         self.requests: dict[str, tuple[list[int], int]] = {}
+        self.salts: dict[str, str] = {}         # request id -> the cache salt it came with
         self.batched = None                     # its BatchedGenerate servicer, once served
         self._slots = asyncio.Semaphore(capacity) if hold and capacity else None
         self._spell = stamp_speller(tokenizer)
@@ -117,7 +119,7 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Generate(self, request, context):
         if self._slots is None:
-            async for out in self._generate(request):
+            async for out in self._generate(request, context):
                 yield out
             return
         self.waiting += 1
@@ -126,17 +128,18 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         finally:
             self.waiting -= 1
         try:
-            async for out in self._generate(request):
+            async for out in self._generate(request, context):
                 yield out
         finally:
             self._slots.release()
 
-    async def _generate(self, request):
+    async def _generate(self, request, context):
         rid = request.request_id
         n = request.sampling_params.max_tokens if request.sampling_params.HasField(
             "max_tokens") else 16
         prompt = len(request.tokenized.input_ids)
         self.requests[rid] = (list(request.tokenized.input_ids), n)
+        self.salts[rid] = dict(context.invocation_metadata() or ()).get(METADATA_KEY, "")
         self.running[rid] = asyncio.current_task()
         start, out = time.monotonic(), []
         try:

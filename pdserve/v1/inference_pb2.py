@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\".\n\x06\x46ollow\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"\xe7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x10\n\x06prompt\x18\x04 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06\x66ollow\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.FollowB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd5\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x0c\n\x04path\x18\x07 \x01(\t\x12\x11\n\tstream_id\x18\x08 \x01(\t\x12\x0b\n\x03seq\x18\t \x01(\x04\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tstream_id\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x8f\x01\n\tInference\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\".\n\x06\x46ollow\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"\xfb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x10\n\x06prompt\x18\x04 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x06\x66ollow\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Follow\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd5\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x0c\n\x04path\x18\x07 \x01(\t\x12\x11\n\tstream_id\x18\x08 \x01(\t\x12\x0b\n\x03seq\x18\t \x01(\x04\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tstream_id\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x8f\x01\n\tInference\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FOLLOW']._serialized_start=67
   _globals['_FOLLOW']._serialized_end=113
   _globals['_GENERATEREQUEST']._serialized_start=116
-  _globals['_GENERATEREQUEST']._serialized_end=347
-  _globals['_TOKENIDS']._serialized_start=349
-  _globals['_TOKENIDS']._serialized_end=372
-  _globals['_GENERATECHUNK']._serialized_start=375
-  _globals['_GENERATECHUNK']._serialized_end=588
-  _globals['_ABORTREQUEST']._serialized_start=590
-  _globals['_ABORTREQUEST']._serialized_end=643
-  _globals['_ABORTRESPONSE']._serialized_start=645
-  _globals['_ABORTRESPONSE']._serialized_end=675
-  _globals['_INFERENCE']._serialized_start=678
-  _globals['_INFERENCE']._serialized_end=821
+  _globals['_GENERATEREQUEST']._serialized_end=367
+  _globals['_TOKENIDS']._serialized_start=369
+  _globals['_TOKENIDS']._serialized_end=392
+  _globals['_GENERATECHUNK']._serialized_start=395
+  _globals['_GENERATECHUNK']._serialized_end=608
+  _globals['_ABORTREQUEST']._serialized_start=610
+  _globals['_ABORTREQUEST']._serialized_end=663
+  _globals['_ABORTRESPONSE']._serialized_start=665
+  _globals['_ABORTRESPONSE']._serialized_end=695
+  _globals['_INFERENCE']._serialized_start=698
+  _globals['_INFERENCE']._serialized_end=841
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,7 @@ class Follow(_message.Message):
     def __init__(self, stream_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "session_id", "prompt", "prompt_token_ids", "sampling", "follow")
+    __slots__ = ("request_id", "model", "session_id", "prompt", "prompt_token_ids", "sampling", "follow", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class GenerateRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     session_id: str
@@ -31,7 +32,8 @@ class GenerateRequest(_message.Message):
     prompt_token_ids: TokenIds
     sampling: _common_pb2.SamplingParams
     follow: Follow
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., follow: _Optional[_Union[Follow, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., follow: _Optional[_Union[Follow, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

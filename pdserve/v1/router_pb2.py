@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xde\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x19\n\x11last_seen_unix_ms\x18\x06 \x01(\x03\x12\x0c\n\x04load\x18\x07 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\r\x12\x10\n\x08kv_usage\x18\t \x01(\x01\x12\x19\n\x11\x63ontinues_prefill\x18\n \x01(\x08\"9\n\x0fRegisterRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\xb0\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x65xclude_workers\x18\x05 \x03(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x1f\n\x17prompt_token_ids_packed\x18\x07 \x01(\x0c\"\x9e\x01\n\rRouteDecision\x12&\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\'\n\x07prefill\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\";\n\rRouteRequests\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RouteRequest\"8\n\x0cRouteAnswers\x12(\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.RouteAnswer\"{\n\x0bRouteAnswer\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.RouteDecision\x12\x13\n\x0bstatus_code\x18\x03 \x01(\r\x12\x16\n\x0estatus_details\x18\x04 \x01(\t\"7\n\x12ListWorkersRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\r\"i\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x1a\n\x12\x61\x64mitted_elsewhere\x18\x02 \x01(\r\x12\r\n\x05\x65\x64ges\x18\x03 \x01(\r2\xf2\x02\n\x06Router\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12<\n\x05Route\x12\x18.pdserve.v1.RouteRequest\x1a\x19.pdserve.v1.RouteDecision\x12\x46\n\x0bRouteStream\x12\x19.pdserve.v1.RouteRequests\x1a\x18.pdserve.v1.RouteAnswers(\x01\x30\x01\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xde\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x19\n\x11last_seen_unix_ms\x18\x06 \x01(\x03\x12\x0c\n\x04load\x18\x07 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x08 \x01(\r\x12\x10\n\x08kv_usage\x18\t \x01(\x01\x12\x19\n\x11\x63ontinues_prefill\x18\n \x01(\x08\"9\n\x0fRegisterRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\xc4\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x65xclude_workers\x18\x05 \x03(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x1f\n\x17prompt_token_ids_packed\x18\x07 \x01(\x0c\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"\x9e\x01\n\rRouteDecision\x12&\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\'\n\x07prefill\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\";\n\rRouteRequests\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.RouteRequest\"8\n\x0cRouteAnswers\x12(\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.RouteAnswer\"{\n\x0bRouteAnswer\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.RouteDecision\x12\x13\n\x0bstatus_code\x18\x03 \x01(\r\x12\x16\n\x0estatus_details\x18\x04 \x01(\t\"7\n\x12ListWorkersRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\r\"i\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x1a\n\x12\x61\x64mitted_elsewhere\x18\x02 \x01(\r\x12\r\n\x05\x65\x64ges\x18\x03 \x01(\r2\xf2\x02\n\x06Router\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse\x12<\n\x05Route\x12\x18.pdserve.v1.RouteRequest\x1a\x19.pdserve.v1.RouteDecision\x12\x46\n\x0bRouteStream\x12\x19.pdserve.v1.RouteRequests\x1a\x18.pdserve.v1.RouteAnswers(\x01\x30\x01\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,19 +43,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DEREGISTERRESPONSE']._serialized_start=439
   _globals['_DEREGISTERRESPONSE']._serialized_end=459
   _globals['_ROUTEREQUEST']._serialized_start=462
-  _globals['_ROUTEREQUEST']._serialized_end=638
-  _globals['_ROUTEDECISION']._serialized_start=641
-  _globals['_ROUTEDECISION']._serialized_end=799
-  _globals['_ROUTEREQUESTS']._serialized_start=801
-  _globals['_ROUTEREQUESTS']._serialized_end=860
-  _globals['_ROUTEANSWERS']._serialized_start=862
-  _globals['_ROUTEANSWERS']._serialized_end=918
-  _globals['_ROUTEANSWER']._serialized_start=920
-  _globals['_ROUTEANSWER']._serialized_end=1043
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1045
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1100
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1102
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1207
-  _globals['_ROUTER']._serialized_start=1210
-  _globals['_ROUTER']._serialized_end=1580
+  _globals['_ROUTEREQUEST']._serialized_end=658
+  _globals['_ROUTEDECISION']._serialized_start=661
+  _globals['_ROUTEDECISION']._serialized_end=819
+  _globals['_ROUTEREQUESTS']._serialized_start=821
+  _globals['_ROUTEREQUESTS']._serialized_end=880
+  _globals['_ROUTEANSWERS']._serialized_start=882
+  _globals['_ROUTEANSWERS']._serialized_end=938
+  _globals['_ROUTEANSWER']._serialized_start=940
+  _globals['_ROUTEANSWER']._serialized_end=1063
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1065
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1120
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1122
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1227
+  _globals['_ROUTER']._serialized_start=1230
+  _globals['_ROUTER']._serialized_end=1600
 # @@protoc_insertion_point(module_scope)

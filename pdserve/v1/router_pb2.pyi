@@ -54,7 +54,7 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "model", "prompt_tokens", "exclude_workers", "prompt_token_ids", "prompt_token_ids_packed")
+    __slots__ = ("request_id", "session_id", "model", "prompt_tokens", "exclude_workers", "prompt_token_ids", "prompt_token_ids_packed", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class RouteRequest(_message.Message):
     EXCLUDE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     model: str
@@ -69,7 +70,8 @@ class RouteRequest(_message.Message):
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids_packed: bytes
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids_packed: _Optional[bytes] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids_packed: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RouteDecision(_message.Message):
     __slots__ = ("decode", "prefill", "local_prefill", "reason", "cached_tokens")

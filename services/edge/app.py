@@ -43,6 +43,7 @@ from .pool_view import PoolView
 from .prompts import PromptEncoder
 from .stream_log import BadPosition, EventsGone, StreamGone
 from .streams import LiveStream, Streams, open_store
+from .tenant_salt import TenantSalts, tenant_salts
 from .tokenize import handlers as tokenize_handlers
 
 log = logging.getLogger("pdserve.edge")
@@ -56,6 +57,7 @@ STREAMS = web.AppKey("streams", Streams)
 KEYS = web.AppKey("keys", KeyRing)
 CALLER = web.RequestKey("caller", APIKey)       # the key a /v1/ request came with
 LIMITS = web.AppKey("limits", RateLimits)
+SALTS = web.AppKey("salts", TenantSalts)
 ADMISSION = web.AppKey("admission", Admission)
 POOL = web.AppKey("pool", PoolView)             # the last reading of the router's workers
 PICKER = web.AppKey("picker", PickerSeries)     # what an InferencePool's picker scores
@@ -189,7 +191,7 @@ async def begin(request: web.Request, kind: oai.Kind, raw: bytes, endpoint: str 
             gen = Generation(request_id=rid if index == 0 else f"{rid}-{index}", model=cfg.name,
                              prompt_token_ids=ids, sampling=_sampling(req, max_tokens, index),
                              session_id=_session_key(request, req), deadline=deadline,
-                             kind=kind)
+                             kind=kind, client_salt=req.cache_salt)
             runs.append(await place(request.app, request[CALLER], gen, started))
     except BaseException as e:
         for run in runs:                    # choices placed before one failed
@@ -204,6 +206,8 @@ async def place(app: web.Application, key: APIKey, gen: Generation, started: flo
                 ) -> AdmittedGeneration:
     """Wait for room in the pool, then route and prefill; counted from here on
     (HTTP, WebSocket and Inference gRPC alike) until `_generation_ended`."""
+    # Salted here, where every door's requests pass with their caller's key.
+    gen.cache_salt = app[SALTS].salt(key.tenant, gen.client_salt, gen.prompt_token_ids)
     run = await admit(app[ADMISSION], app[ORCH], key, gen, started)
     run.count_start(app[METRICS], app[CONFIG].name)
     return run
@@ -444,6 +448,7 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app[METRICS] = EdgeMetrics(cfg.name)
     app[ROUTER_METRICS] = router_metrics
     app[KEYS], app[LIMITS] = KeyRing.load(cfg.api_keys_file), RateLimits()
+    app[SALTS] = tenant_salts(cfg, app[KEYS].open, encoder)
     app[ADMISSION] = Admission(cfg, app[METRICS])
     app[POOL] = PoolView()
     app[PICKER] = PickerSeries(app[METRICS].registry, cfg.name)

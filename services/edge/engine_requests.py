@@ -11,6 +11,8 @@ from typing import Any
 
 from smg_grpc_proto import vllm_engine_pb2
 
+from pdserve import telemetry
+from pdserve.cache_salt import METADATA_KEY
 from pdserve.v1 import common_pb2
 from pdserve.transfer.params import (computed_tokens, encode, request_params_for_decode,
                              request_params_for_prefill)
@@ -52,6 +54,15 @@ def engine_sampling(p: common_pb2.SamplingParams, *, max_tokens: int,
     elif kind is not None:
         setattr(s, kind, getattr(p, kind))
     return s
+
+
+def call_metadata(cache_salt: str) -> list[tuple[str, str]] | None:
+    """A worker call's metadata: the trace context and the request's cache salt (which
+    vLLM's protocol has no field for), on every leg: prefill, decode, moved, resumed."""
+    metadata = list(telemetry.metadata() or ())
+    if cache_salt:
+        metadata.append((METADATA_KEY, cache_salt))
+    return metadata or None
 
 
 def constrained(p: common_pb2.SamplingParams) -> bool:

@@ -35,6 +35,9 @@ class Generation:
     session_id: str = ""
     deadline: float = 0.0               # time.monotonic() it must end by; 0 = the edge's default
     kind: str = "completion"            # "chat" | "completion": the GenAI operation
+    client_salt: str = ""               # the request's own `cache_salt`
+    # What every engine and the router see (tenant_salt.py; set when it is admitted).
+    cache_salt: str = ""
 
     def remaining(self) -> float:
         """Seconds left of the request's budget; raises the deadline error at 0."""

@@ -142,7 +142,8 @@ class GenerationStream:
         req = decode_request(leg.request_id, self.gen.prompt_token_ids + out.ids, sampling,
                              leg.prefill_params, leg.prefill_address,
                              fresh_lease(leg, time.monotonic()))
-        call = self._call = LegCall(leg, out, self.stats, self.heard, self.cfg)
+        call = self._call = LegCall(leg, out, self.stats, self.heard, self.cfg,
+                                    self.gen.cache_salt)
         return call.chunks(req, self.gen.remaining(), self.span, early, first_leg, slot, steady)
 
     def preempt(self) -> bool:

@@ -22,6 +22,7 @@ from pdserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from .events import render_inference
 from .keys import APIKey
 from .openai_protocol import APIError, check_context
+from .parameters import MAX_CACHE_SALT_BYTES
 from .generation import Generation
 from .prompts import PromptEncoder
 from .stream_log import DONE, BadPosition, EventsGone, StreamGone
@@ -91,9 +92,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         left = context.time_remaining()
         budget = min(left if left is not None else float("inf"),
                      self.cfg.request_timeout_seconds)
+        if len(request.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+            raise APIError(400, f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes",
+                           param="cache_salt")
         return Generation(request_id=request.request_id or f"inf-{uuid.uuid4().hex}",
                           model=self.cfg.name, prompt_token_ids=ids, sampling=sampling,
-                          session_id=request.session_id, deadline=time.monotonic() + budget)
+                          session_id=request.session_id, deadline=time.monotonic() + budget,
+                          client_salt=request.cache_salt)
 
     async def _key(self, context) -> APIKey:
         """The caller's key, from the `authorization` metadata (`Bearer KEY`)."""

@@ -32,6 +32,7 @@ from pdserve.v1 import transfer_pb2, transfer_pb2_grpc
 from pdserve.transfer.params import lease_id, lease_is_fresh
 
 from .batched import BatchedLeg
+from .engine_requests import call_metadata
 from .output import Chunk, Output
 from .stats import GenerationStats
 
@@ -115,12 +116,13 @@ class LegCall:
     generation's `Output`, and watches it for stalls (one timer per leg, not one per
     token). `chunks()` once; `preempt()` from admission while it runs."""
 
-    __slots__ = ("leg", "output", "stats", "heard", "cfg", "call", "steady", "preempted",
-                 "stalled", "_last", "_watchdog")
+    __slots__ = ("leg", "output", "stats", "heard", "cfg", "cache_salt", "call", "steady",
+                 "preempted", "stalled", "_last", "_watchdog")
 
     def __init__(self, leg: DecodeLeg, output: Output, stats: GenerationStats, heard: Heard,
-                 cfg: EdgeConfig):
+                 cfg: EdgeConfig, cache_salt: str = ""):
         self.leg, self.output, self.stats, self.heard, self.cfg = leg, output, stats, heard, cfg
+        self.cache_salt = cache_salt            # the generation's (engine_requests.py)
         self.call = None                        # the engine's call, while it runs
         self.steady: Callable[[Chunk], None] | None = None
         self.preempted = self.stalled = False
@@ -192,7 +194,7 @@ class LegCall:
             "pdserve.decode.pull": leg.prefill_params is not None})
         with telemetry.current(span):           # the call carries the decode span's context
             call = self.call = (leg.calls or leg.stub).Generate(
-                req, timeout=timeout, metadata=telemetry.metadata())
+                req, timeout=timeout, metadata=call_metadata(self.cache_salt))
         self._last = asyncio.get_running_loop().time()
         self._watch()
         if slot is not None:

@@ -103,6 +103,7 @@ class CompletionRequest:
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool | None = None  # None: the endpoint's default
     template_options: tuple[tuple[str, Any], ...] = ()  # chat template arguments
+    cache_salt: str = ""                    # vLLM's extension; combined with the tenant's
 
 
 def _bad(message: str, param: str | None) -> APIError:
@@ -376,6 +377,17 @@ def _template_options(kind: Kind, body: dict) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
+def _cache_salt(body: dict) -> str:
+    """vLLM's `cache_salt`: a non-empty string of at most 256 bytes."""
+    salt = _optional_str(body, "cache_salt")
+    if salt is None:
+        return ""
+    if not salt or len(salt.encode()) > parameters.MAX_CACHE_SALT_BYTES:
+        raise _bad(f"'cache_salt' must be a non-empty string of at most "
+                   f"{parameters.MAX_CACHE_SALT_BYTES} bytes", "cache_salt")
+    return salt
+
+
 def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> CompletionRequest:
     """Parse and validate a request body; any client mistake raises ``APIError``."""
     body = _load_object(raw)
@@ -421,6 +433,7 @@ def parse_request(kind: Kind, raw: bytes, served_models: Collection[str]) -> Com
         add_special_tokens=None if body.get("add_special_tokens") is None
         else _bool(body, "add_special_tokens"),
         template_options=_template_options(kind, body),
+        cache_salt=_cache_salt(body),
     )  # fmt: skip
 
 

@@ -38,7 +38,7 @@ from pdserve.transfer.params import REMOTE_BLOCK_IDS, check_prefill_answer, deco
 from .batched import BATCH_FROM, BatchedCalls
 from .batched import SERVICE_NAME as BATCHED_SERVICE
 from .detokenizer import StopRule, TextStream
-from .engine_requests import continues_from_prefill_token, prefill_request
+from .engine_requests import call_metadata, continues_from_prefill_token, prefill_request
 from .generation import Generation, api_error
 from .generation_stream import GenerationStream
 from .leg import DecodeLeg, Heard, in_background
@@ -207,7 +207,8 @@ class Orchestrator:
                 decision = await self.router.Route(router_pb2.RouteRequest(
                     request_id=request_id, session_id=gen.session_id, model=gen.model,
                     prompt_tokens=len(prompt), prompt_token_ids_packed=packed(prompt),
-                    exclude_workers=sorted(exclude)), timeout=min(5.0, gen.remaining()))
+                    exclude_workers=sorted(exclude), cache_salt=gen.cache_salt),
+                    timeout=min(5.0, gen.remaining()))
         except BaseException as e:
             telemetry.end(span, e)
             if isinstance(e, grpc.aio.AioRpcError):
@@ -248,7 +249,7 @@ class Orchestrator:
             call = self._engine(worker.address).Generate(
                 prefill_request(request_id, prompt, gen.sampling),
                 timeout=min(self.cfg.prefill_timeout_seconds, budget),
-                metadata=telemetry.metadata())
+                metadata=call_metadata(gen.cache_salt))
             params, token, cached = await self._prefill_answer(call)
             check_prefill_answer(params or {})
         except asyncio.CancelledError:

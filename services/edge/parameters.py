@@ -21,7 +21,7 @@ COMMON = frozenset({
     "top_k", "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
     "ignore_eos", "min_tokens", "truncate_prompt_tokens", "structured_outputs",
     "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search",
-    "length_penalty", "priority", "add_special_tokens",
+    "length_penalty", "priority", "add_special_tokens", "cache_salt",
     # pdserve's: the session key (placement)
     "session_id",
 })
@@ -38,6 +38,7 @@ DEFAULT_ONLY: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "priority": 0, "store": False,
     "suffix": None, "metadata": None, "modalities": ["text"], "service_tier": "auto",
 }
+MAX_CACHE_SALT_BYTES = 256                            # a client's `cache_salt`
 MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}       # OpenAI's limits
 
 

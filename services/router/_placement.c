@@ -27,9 +27,11 @@
  *       worker_id (and its rendezvous seed), and the times of placements not yet in
  *       a load report (.placed(now), .clear_pending(), .decay(now, horizon), .pending).
  *   decide(workers, stores, knobs, model, exclude, prompt, prompt_tokens, block,
- *          session, now, timeout, horizon, index_now, ttl)
+ *          session, now, timeout, horizon, index_now, ttl, salt_root, salt_at,
+ *          salt_second)
  *       placement.py's decision over a placement.Query's fields, which c_decide
- *       passes (placement.py_decide is the reference).
+ *       passes (placement.py_decide is the reference); the prompt's keys are salted
+ *       as keystore.salted_block_keys salts them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -833,8 +835,8 @@ store_of(PyObject *stores, PyObject *worker_id)
 static PyObject *
 decide(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 14) {
-        PyErr_Format(PyExc_TypeError, "decide() takes 14 arguments (%zd given)", nargs);
+    if (nargs != 17) {
+        PyErr_Format(PyExc_TypeError, "decide() takes 17 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *workers = args[0], *stores = args[1], *knobs_obj = args[2], *model = args[3],
@@ -862,7 +864,11 @@ decide(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     double now = PyFloat_AsDouble(args[9]), timeout = PyFloat_AsDouble(args[10]),
            horizon = PyFloat_AsDouble(args[11]), index_now = PyFloat_AsDouble(args[12]),
            ttl = PyFloat_AsDouble(args[13]);
-    if (PyErr_Occurred())
+    /* The cache salt (keystore.salt_points): block 0's parent, and a second salt that
+     * folds into the parent of block `salt_at` (0: none). */
+    uint64_t root = 0, second = 0;
+    Py_ssize_t salt_at = PyLong_AsSsize_t(args[15]);
+    if (PyErr_Occurred() || key_arg(args[14], &root) < 0 || key_arg(args[16], &second) < 0)
         return NULL;
     Py_ssize_t packed_len = PyBytes_GET_SIZE(prompt_obj);
     if (packed_len % 4) {
@@ -905,7 +911,11 @@ decide(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t i = 0; i < n_keys * block; i++, b += 4)
             ids[i] = (uint64_t)b[0] | (uint64_t)b[1] << 8 | (uint64_t)b[2] << 16
                      | (uint64_t)b[3] << 24;
-        hash_blocks(ids, n_keys, block, 0, keys);
+        Py_ssize_t head = salt_at > 0 && salt_at < n_keys ? salt_at : n_keys;
+        hash_blocks(ids, head, block, root, keys);
+        if (head < n_keys)
+            hash_blocks(ids + head * block, n_keys - head, block, keys[head - 1] ^ second,
+                        keys + head);
     }
     Py_ssize_t prompt = n_ids ? n_ids : prompt_tokens;
 

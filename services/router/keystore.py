@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from pdserve import native
+from pdserve.cache_salt import plan, salt_key
 
 ROOT = 0
 _MASK = (1 << 64) - 1
@@ -143,6 +144,33 @@ class PyKeyStore:
 
     def __len__(self) -> int:
         return len(self._until)
+
+
+def salt_points(salt: str, block_size: int) -> tuple[int, int, int]:
+    """A request's cache salt as its keys take it: (block 0's parent, the block a second
+    salt folds into or 0, that salt's key). A salt folds in as the engine's does: into
+    the hash of the block it starts at, here XORed into that block's parent key."""
+    folds = plan(salt).folds(block_size) if salt else ()
+    root = at = second = 0
+    for index, part in folds:
+        if index == 0:
+            root = salt_key(part)
+        else:
+            at, second = index, salt_key(part)
+    return root, at, second
+
+
+def salted_block_keys(token_ids, block_size: int, root: int = ROOT, at: int = 0,
+                      second: int = 0) -> memoryview:
+    """`block_keys` of a salted prompt (`salt_points`): blocks before `at` chained from
+    `root`, the rest from the key before them XOR `second`."""
+    n = min(len(token_ids) // block_size, MAX_BLOCKS)
+    if not 0 < at < n:
+        return block_keys(token_ids, block_size, root)
+    head = block_keys(token_ids[:at * block_size], block_size, root)
+    tail = block_keys(token_ids[at * block_size:n * block_size], block_size,
+                      head[-1] ^ second)
+    return memoryview(head.tobytes() + tail.tobytes()).cast("Q")
 
 
 _C = native.load("placement")

@@ -45,7 +45,7 @@ from pdserve import native
 from pdserve.config import RouterConfig
 from pdserve.v1 import common_pb2, router_pb2
 
-from .keystore import KeyStore, block_keys, packed, unpacked
+from .keystore import KeyStore, packed, salt_points, salted_block_keys, unpacked
 from .prefix_index import PrefixIndex
 from .registry import PENDING_SECONDS, WorkerEntry, WorkerRegistry, live, name_hash
 
@@ -121,6 +121,7 @@ class Query:
     horizon: float = PENDING_SECONDS     # ... and how long a placement counts as load
     index_now: float = 0.0           # the prefix index's clock,
     ttl: float = 0.0                 # ... and how long a placed prefix counts as held
+    salt: tuple[int, int, int] = (0, 0, 0)   # the cache salt (keystore.salt_points)
 
 
 def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy,
@@ -137,7 +138,8 @@ def place(registry: WorkerRegistry, req: router_pb2.RouteRequest, policy: Policy
                   prompt_tokens=req.prompt_tokens, session=req.session_id,
                   exclude=frozenset(req.exclude_workers) if req.exclude_workers else None,
                   block=index.block_size, now=registry.clock(), timeout=registry.timeout,
-                  index_now=index.clock(), ttl=index.provisional_ttl)
+                  index_now=index.clock(), ttl=index.provisional_ttl,
+                  salt=salt_points(req.cache_salt, index.block_size))
     decided = decide(registry.entries(), index.stores, query)
     if decided is None:
         raise NoWorkerError(f"no decode worker serves model {req.model!r}")
@@ -176,7 +178,7 @@ def c_decide(workers, stores, q: Query):
     are): as py_decide."""
     return _C.decide(workers, stores, _knobs(q.policy), q.model, q.exclude, q.prompt_ids,
                      q.prompt_tokens, q.block, q.session, q.now, q.timeout, q.horizon,
-                     q.index_now, q.ttl)
+                     q.index_now, q.ttl, *q.salt)
 
 
 def py_decide(workers, stores, q: Query):
@@ -198,7 +200,7 @@ def py_decide(workers, stores, q: Query):
         return None
     ids = unpacked(q.prompt_ids)
     prompt = len(ids) or q.prompt_tokens
-    keys = block_keys(ids, block) if block and ids else []
+    keys = salted_block_keys(ids, block, *q.salt) if block and ids else []
 
     def matched(entries: list) -> list[int]:
         return [stores[e.worker_id].match(keys, index_now)

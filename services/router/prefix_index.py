@@ -1,7 +1,9 @@
 """Which worker holds which prompt prefix, from the engines' own KV-cache events.
 
 Prompts and blocks are keyed by `keystore.block_keys` (chained hashes of the
-token ids in the engines' block size); each worker's keys live in a `KeyStore`.
+token ids in the engines' block size), salted where the engine salted them (a
+block whose event names a cache salt: keystore.salted_block_keys keys a prompt
+the same way); each worker's keys live in a `KeyStore`.
 Workers publish `BlockStored` (with each block's token ids and its parent's
 engine hash) and `BlockRemoved` over `SubscribeKvEvents`; the index maps each
 engine hash to the router's key, so a removal finds its block.
@@ -13,7 +15,22 @@ import time
 from collections import defaultdict
 from typing import Iterable, Sequence
 
+from pdserve.cache_salt import salt_key
+
 from .keystore import ROOT, KeyStore, block_keys
+
+
+def _salted_runs(blocks: list) -> list[tuple[str, list]]:
+    """The blocks in runs that each start at a salted block (or the first block):
+    (that block's salt or "", the run)."""
+    runs: list[tuple[str, list]] = []
+    for b in blocks:
+        salt = b[2] if len(b) > 2 else ""
+        if salt or not runs:
+            runs.append((salt, [b]))
+        else:
+            runs[-1][1].append(b)
+    return runs
 
 
 class PrefixIndex:
@@ -43,8 +60,10 @@ class PrefixIndex:
         return store
 
     def stored(self, worker: str, parent_hash: int | None,
-               blocks: Iterable[tuple[int, Sequence[int]]]) -> None:
-        """Blocks (engine hash, token ids) stored after the block `parent_hash`."""
+               blocks: Iterable[tuple[int, Sequence[int]] | tuple[int, Sequence[int], str]]
+               ) -> None:
+        """Blocks (engine hash, token ids[, the cache salt folded into its hash, if
+        any]) stored after the block `parent_hash`."""
         blocks = list(blocks)
         if not self.block_size and blocks:
             self.block_size = len(blocks[0][1])
@@ -53,12 +72,13 @@ class PrefixIndex:
         if parent is None:
             return                        # its parent was never seen: not a prefix we can key
         full = list(itertools.takewhile(lambda b: len(b[1]) == self.block_size, blocks))
-        if not full:
-            return
-        tokens = [t for _, block in full for t in block]
-        for (engine_hash, _), key in zip(full, block_keys(tokens, self.block_size, parent)):
-            keys[engine_hash] = key
-            store.confirm(key)
+        for salt, run in _salted_runs(full):
+            # A block the engine salted: its parent's key XOR the salt's (keystore.py).
+            parent ^= salt_key(salt)
+            tokens = [t for b in run for t in b[1]]
+            for block, key in zip(run, block_keys(tokens, self.block_size, parent)):
+                keys[block[0]] = parent = key
+                store.confirm(key)
 
     def removed(self, worker: str, engine_hashes: Iterable[int]) -> None:
         """Blocks the worker evicted."""

@@ -172,7 +172,8 @@ class EngineProbes:
         if kind == "stored":
             s = event.stored
             self.index.stored(worker, s.parent_block_hash if s.HasField("parent_block_hash")
-                              else None, [(b.block_hash, list(b.token_ids)) for b in s.blocks])
+                              else None, [(b.block_hash, list(b.token_ids), block_salt(b))
+                                          for b in s.blocks])
         elif kind == "removed":
             self.index.removed(worker, event.removed.block_hashes)
         elif kind == "cleared":
@@ -234,3 +235,11 @@ class EngineProbes:
                 task.cancel()
         for ch in self._channels.values():
             await ch.close()
+
+
+def block_salt(block: common_pb2.KvBlock) -> str:
+    """The cache salt the engine folded into a stored block's hash, or "": vLLM
+    publishes a block's extra keys untagged, and a pdserve worker's only text one is
+    the salt (it serves no LoRA adapters)."""
+    texts = [k.text for k in block.extra_keys if k.WhichOneof("key") == "text"]
+    return texts[-1] if texts else ""

@@ -64,6 +64,8 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from .salted_blocks import install
+        install()           # an engine core forked from here inherits it (else: the plugin)
         self.kv_events_path = kv_events_path()
         # Stored/evicted blocks are published for the router's prefix index (on
         # this machine only, see kv_events_path).

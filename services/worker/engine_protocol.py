@@ -21,10 +21,12 @@ from pdserve import genai, telemetry
 from pdserve.transfer.claim import LeaseClaims
 from pdserve.transfer.metrics import HANDOVER_SECONDS
 from pdserve.transfer.params import (PREFILL_ADDRESS, REMOTE_BLOCK_IDS, MalformedParams, decode, encode,
-                             keeps_blocks, lease_id, pulls_blocks, with_lease_seconds)
+                             keeps_blocks, lease_id, pulls_blocks, salt_mismatch,
+                             with_lease_seconds, with_salt_tag)
 
 from .engine import VllmEngine
 from .load_push import LoadNudges
+from .request_salt import CURRENT as CURRENT_SALT, SaltedEngine, salt_of
 from .validation import prompt_problem, sampling_problem
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class WorkerEngineServicer(VllmEngineServicer):
 
     def __init__(self, engine: VllmEngine, worker_id: str):
         super().__init__(engine.llm, time.time())
+        self.engine = SaltedEngine(engine.llm)     # each call's cache salt into its prompt
         self.worker_id = worker_id
         self.max_model_len = engine.cfg.max_model_len
         self.vocab_size = engine.llm.model_config.get_vocab_size()
@@ -54,8 +57,11 @@ class WorkerEngineServicer(VllmEngineServicer):
         if request.WhichOneof("input") == "tokenized":
             problem = problem or prompt_problem(request.tokenized.input_ids, self.max_model_len,
                                                 self.vocab_size)
+        salt, salt_problem = salt_of(context.invocation_metadata())
+        problem = problem or salt_problem
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        CURRENT_SALT.set(salt)
         started = time.perf_counter()
         n, prompt_tokens, cached, ended = 0, 0, 0, "cancelled"
         self.in_flight += 1
@@ -65,7 +71,7 @@ class WorkerEngineServicer(VllmEngineServicer):
         handover = telemetry.span("kv_transfer", attributes=pull) if pull else None
         try:
             with telemetry.current(handover or trace.INVALID_SPAN):
-                await self._claim(request, params)
+                await self._claim(request, params, salt)
             async for resp in super().Generate(request, context):
                 if handover is not None:
                     self._handed_over(handover, request, resp, started)
@@ -77,7 +83,7 @@ class WorkerEngineServicer(VllmEngineServicer):
                     prompt_tokens, cached = resp.complete.prompt_tokens, resp.complete.cached_tokens
                     ended = resp.complete.finish_reason
                     if self.leases and resp.complete.HasField("kv_transfer_params_json"):
-                        self._issue_lease(resp.complete)
+                        self._issue_lease(resp.complete, salt)
                 yield resp
         finally:
             self.in_flight -= 1
@@ -106,23 +112,26 @@ class WorkerEngineServicer(VllmEngineServicer):
                   else resp.complete.cached_tokens)
         telemetry.end(span, pdserve__kv__pulled=pulled, pdserve__kv__cached_tokens=cached)
 
-    def _issue_lease(self, complete) -> None:
+    def _issue_lease(self, complete, salt: str) -> None:
         """A prefill hands out a lease: the lease service hears of it, and the params
-        say how long it holds (so a gateway can tell a fresh one, transfer/claim.py)."""
+        say how long it holds (so a gateway can tell a fresh one, transfer/claim.py)
+        and under which cache salt its blocks were computed."""
         params = decode(complete.kv_transfer_params_json)
         lease = lease_id(params)
         if lease:
             self.leases.issued(lease)
-            complete.kv_transfer_params_json = encode(
-                with_lease_seconds(params, self.leases.lease_seconds))
+            complete.kv_transfer_params_json = encode(with_salt_tag(
+                with_lease_seconds(params, self.leases.lease_seconds), salt))
 
-    async def _claim(self, request, params: dict | None) -> None:
+    async def _claim(self, request, params: dict | None, salt: str = "") -> None:
         """A pull whose lease is gone (or whose prefill worker is) becomes a local
         prefill: the request reaches the engine without its kv_transfer_params
         (`params`: the request's, parsed)."""
         if params is None:
             return
-        reason = await self.claims.refusal(params)
+        # Blocks computed under another tenant's salt never land in this request.
+        reason = ("computed under another cache salt" if salt_mismatch(params, salt)
+                  else await self.claims.refusal(params))
         if reason:
             log.warning("generate %s on %s: not pulling lease %s from %s (%s); prefilling "
                         "locally", request.request_id, self.worker_id,

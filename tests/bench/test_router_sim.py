@@ -56,3 +56,19 @@ def test_bench_router_summarises_several_seeds():
                for met in over["targets_met_by_seed"].values())
     p = result["policies"]["pdserve"]
     assert p["max_over_mean_load_steady"] <= p["max_over_mean_load"]
+
+
+def test_tenant_salts_cost_only_the_system_prompt_tenants_of_a_group_share():
+    """8 tenants in 4 groups: a salt each loses the group's shared system prompt across
+    its tenants; salting after the system prompt keeps every hit of one cache for all
+    (the rest of each session is its own anyway), and every tenant is reported."""
+    from pdserve.bench.router_sim import SimConfig
+    from pdserve.bench.tenant_sim import compare_isolation, table
+
+    result = compare_isolation(SimConfig(workers=2, sessions=80, tenants=8))
+    modes = result["modes"]
+    for policy in ("pdserve", "oracle"):
+        none, tenant, shared = (modes[m][policy] for m in ("none", "tenant", "shared"))
+        assert tenant["hit_rate"] < none["hit_rate"] == shared["hit_rate"], policy
+        assert sorted(none["hit_rate_by_tenant"]) == list(range(8))
+    assert "t7" in table(result)

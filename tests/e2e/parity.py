@@ -72,6 +72,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "developer-role": _case("chat", messages=[{"role": "developer", "content": "be brief"},
                                               *CHAT_MESSAGES]),
     "ignore_eos": _case("completion", ignore_eos=True),
+    "cache_salt": _case("completion", cache_salt="tenant-a"),
     # Refused: pdserve does not do these (each a 400 naming it).
     "use_beam_search": _case("completion", use_beam_search=True),
     "skip_special_tokens": _case("chat", skip_special_tokens=False),
@@ -84,15 +85,13 @@ CASES: dict[str, tuple[str, dict]] = {
     "bad_words": _case("completion", bad_words=["the"]),
     "priority": _case("completion", priority=1),
     "return_token_ids": _case("completion", return_token_ids=True),
-    "cache_salt": _case("completion", cache_salt="tenant-a"),
 }
 # The parameter each refused case must name.
 REFUSED = {"use_beam_search": "use_beam_search", "skip_special_tokens": "skip_special_tokens",
            "length_penalty": "length_penalty", "suffix": "suffix", "functions": "functions",
            "echo-chat": "echo", "prompt_logprobs": "prompt_logprobs",
            "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words",
-           "priority": "priority", "return_token_ids": "return_token_ids",
-           "cache_salt": "cache_salt"}
+           "priority": "priority", "return_token_ids": "return_token_ids"}
 
 
 def close(a: float | None, b: float | None) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 from aiohttp import web
@@ -76,6 +77,12 @@ async def edge_stack(model_dir, rate: float = 200.0, replicas: int = 1, capacity
     router replicas, each probing every engine, which the edges dial as one list);
     everything is stopped on exit."""
     encoder = PromptEncoder(str(model_dir))
+    keys = edge_options.get("api_keys_file")
+    if keys and "tenant_salt_file" not in edge_options:
+        # Keys need the deployment's salt secret (tenant_salt.py): one beside them.
+        salt = Path(keys).with_name("tenant-salt")
+        salt.write_text("test-secret-" + "0" * 32)
+        edge_options["tenant_salt_file"] = str(salt)
     decoders = []
     for _ in range(engines):
         engine = SyntheticEngine(encoder.tokenizer, str(model_dir), rate, capacity=capacity)

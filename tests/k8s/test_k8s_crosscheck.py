@@ -279,7 +279,7 @@ def test_pods_are_labelled_unprivileged_and_reference_what_exists(overlay):
     names = {k: set(by_kind(docs, k)) for k in ("ConfigMap", "Secret",
                                                 "PersistentVolumeClaim")}
     # docs/operations.md: kubectl create secret
-    operator_made = {"pdserve-api-keys", "pdserve-cluster-token"}
+    operator_made = {"pdserve-api-keys", "pdserve-cluster-token", "pdserve-tenant-salt"}
     for name, pod in pods(docs).items():
         labels = pod.labels
         assert labels["app.kubernetes.io/name"] == labels["app.kubernetes.io/part-of"] == "pdserve"
@@ -309,7 +309,8 @@ def test_pods_are_labelled_unprivileged_and_reference_what_exists(overlay):
             if "secret" in v:
                 assert (v["secret"]["secretName"] in names["Secret"]
                         or (v["secret"]["secretName"] in operator_made
-                            and not any(s.startswith("pdserve-api-keys") for s in names["Secret"])))
+                            and not any(s.startswith(v["secret"]["secretName"])
+                                        for s in names["Secret"])))
             if "persistentVolumeClaim" in v:
                 assert v["persistentVolumeClaim"]["claimName"] in names["PersistentVolumeClaim"]
 

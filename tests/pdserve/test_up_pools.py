@@ -58,13 +58,15 @@ def test_bad_pool_sizes_are_refused(flags):
 
 def test_edge_flags_pass_through_and_parse_back():
     plan = _plan("--no-admission", "--stream-store", "redis://127.0.0.1:6379",
-                 "--api-keys-file", "/run/keys", "--decode-window-bytes", "0")
+                 "--api-keys-file", "/run/keys", "--tenant-salt-file", "/run/salt",
+                 "--decode-window-bytes", "0")
     edge = plan["edge"]
     assert "--no-admission" in edge and _flag(edge, "--stream-store") == "redis://127.0.0.1:6379"
     assert _flag(edge, "--api-keys-file") == "/run/keys"
     cfg = _config(_parser().parse_args(edge[edge.index("edge"):]))
-    assert (cfg.admission, cfg.stream_store, cfg.api_keys_file, cfg.decode_window_bytes) == (
-        False, "redis://127.0.0.1:6379", "/run/keys", 0)
+    assert (cfg.admission, cfg.stream_store, cfg.api_keys_file, cfg.tenant_salt_file,
+            cfg.decode_window_bytes) == (False, "redis://127.0.0.1:6379", "/run/keys",
+                                         "/run/salt", 0)
     assert "--admission" in _plan()["edge"]
     assert _config(_parser().parse_args(_plan()["edge"][_plan()["edge"].index("edge"):])
                    ).decode_window_bytes == 8192
@@ -156,3 +158,18 @@ def test_the_stack_shares_one_cluster_token_file(in_edge):
         assert _flag(plan[name], "--cluster-token-file") == "/run/token", name
     for name, cmd in plan.items():
         assert _parser().parse_args(cmd[cmd.index("pdserve.cli") + 1:])   # flags it accepts
+
+
+def test_up_with_keys_makes_its_edge_a_salt_secret(tmp_path):
+    from pdserve.supervisor import _salt_secret
+    a = _parser().parse_args(["up", "--api-keys-file", "/run/keys"])
+    _salt_secret(a, str(tmp_path))
+    secret = tmp_path / "tenant-salt"
+    assert a.tenant_salt_file == str(secret) and len(secret.read_bytes()) >= 32
+    assert secret.stat().st_mode & 0o777 == 0o600
+    edge = _commands(a, _config(a), "/run/token")[-1][1]
+    cfg = _config(_parser().parse_args(edge[edge.index("edge"):]))
+    assert cfg.tenant_salt_file == str(secret)
+    given = _parser().parse_args(["up", "--api-keys-file", "k", "--tenant-salt-file", "/s"])
+    _salt_secret(given, str(tmp_path / "none"))
+    assert given.tenant_salt_file == "/s"

@@ -9,13 +9,18 @@ import pytest
 
 from pdserve.v1 import common_pb2, router_pb2
 from pdserve.services.router import placement
-from pdserve.services.router.keystore import PyKeyStore, packed
+from pdserve.cache_salt import salt_key
+from pdserve.services.router.keystore import PyKeyStore, packed, salted_block_keys
 from pdserve.services.router.placement import Policy, Query, py_decide
 from pdserve.services.router.registry import PENDING_SECONDS, PyWorker, name_hash
 from support import c_part
 
 PREFILL, DECODE = common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE
 BLOCK = 4
+# Cache salts as keys take them (keystore.salt_points): none, block 0's, a shared
+# prefix's (a second salt at block 2), a group's and a tenant's.
+SALTS = [(0, 0, 0), (salt_key("a"), 0, 0), (0, 2, salt_key("b")),
+         (salt_key("g"), 3, salt_key("t"))]
 
 
 @pytest.fixture
@@ -86,7 +91,7 @@ def test_the_c_and_python_decisions_agree_over_random_states(c):
                 ids = packed(rng.choice(prefixes)[:rng.randrange(0, 40)])
                 until = rng.choice([float("inf"), rng.uniform(0, 20)])
                 sc, sp = c.KeyStore(), PyKeyStore()
-                keys = placement.block_keys(placement.unpacked(ids), BLOCK)
+                keys = salted_block_keys(placement.unpacked(ids), BLOCK, *rng.choice(SALTS))
                 for store in (sc, sp):
                     if until == float("inf"):
                         for k in keys:
@@ -106,7 +111,7 @@ def test_the_c_and_python_decisions_agree_over_random_states(c):
                       block=rng.choice([0, BLOCK]),
                       session=rng.choice(["", "s1", f"session-{trial}", "ünï"]), now=10.0,
                       timeout=rng.choice([1.0, 100.0]), horizon=PENDING_SECONDS,
-                      index_now=5.0, ttl=10.0)
+                      index_now=5.0, ttl=10.0, salt=rng.choice(SALTS))
         got = placement.c_decide(workers_c, stores_c, query)
         placement_keystore = placement.KeyStore
         placement.KeyStore = PyKeyStore                  # stores the reference makes
@@ -122,7 +127,7 @@ def test_the_c_and_python_decisions_agree_over_random_states(c):
                    (name(want[0]), name(want[1]), *want[2:]), trial
         assert [w.pending for w in workers_c] == [w.pending for w in workers_py], trial
         assert sorted(stores_c) == sorted(stores_py), trial
-        probe = placement.block_keys(ids, BLOCK)
+        probe = salted_block_keys(ids, BLOCK, *query.salt)
         for w in stores_c:
             for t in (5.0, 14.0, 16.0):
                 assert stores_c[w].match(probe, t) == stores_py[w].match(probe, t), trial
