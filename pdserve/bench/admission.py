@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -97,7 +98,9 @@ SMOKE = Settings(backend="synthetic", duration=1.5, fairness_duration=1.5,
 # --- the stacks under test ---------------------------------------------------------------
 
 def _edge_flags(st: Settings, keys_file: Path, admission: bool) -> list[str]:
-    flags = ["--api-keys-file", str(keys_file), "--drain-seconds", "2"]
+    # Keys need the deployment's salt secret: the one written beside them.
+    flags = ["--api-keys-file", str(keys_file), "--tenant-salt-file",
+             str(keys_file.with_name("tenant-salt")), "--drain-seconds", "2"]
     if not admission:
         return [*flags, "--no-admission"]
     return [*flags, "--admission", "--admission-queue", str(st.admission_queue),
@@ -319,6 +322,7 @@ def bench_admission(st: Settings, model: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-admission-") as tmp:
         keys_file = Path(tmp) / "keys"
         keys_file.write_text("".join(f"{k} {t} normal\n" for t, k in TENANTS.items()))
+        keys_file.with_name("tenant-salt").write_text(secrets.token_hex(32))
 
         def baseline(r: _Runner) -> None:
             cap = result["capacity"] = r.capacity()
