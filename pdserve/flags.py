@@ -101,10 +101,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     _add_placement_flags(p)
     p.add_argument("--worker-timeout", type=float, default=RouterConfig().worker_timeout_seconds,
                    help="a worker silent this long is not offered requests")
-    p.add_argument("--cluster-token-file", default=_env("PDSERVE_CLUSTER_TOKEN_FILE", ""),
-                   help="a file holding the cluster token (e.g. a mounted Secret) that workers "
-                        "show when they register: a Register without it is refused "
-                        "(UNAUTHENTICATED); empty: no token")
+    _add_file_flags(p, (("--cluster-token-file", "PDSERVE_CLUSTER_TOKEN_FILE",
+                         "a file holding the cluster token (e.g. a mounted Secret) that workers "
+                         "show when they register: a Register without it is refused "
+                         "(UNAUTHENTICATED); empty: no token"),))
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-worker", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {role} engine that does not register (any server of vLLM's "
@@ -134,17 +134,29 @@ def _add_edge_flags(p: argparse.ArgumentParser) -> None:
     _add_decode_path_flags(g, d)
 
 
+# The edge's files of secrets and tenants: (flag, environment variable, help).
+_TENANT_FILES = (
+    ("--api-keys-file", "PDSERVE_API_KEYS_FILE",
+     "API keys, one `KEY TENANT high|normal|low [rps=N] [tpm=N]` per line (none: the API is "
+     "open to whoever reaches the port)"),
+    ("--tenant-salt-file", "PDSERVE_TENANT_SALT_FILE",
+     "the secret (>= 16 bytes) each tenant's KV-cache salt is keyed with; required with "
+     "--api-keys-file, the same on every edge (`up` makes one when not given)"),
+    ("--shared-prefixes-file", "PDSERVE_SHARED_PREFIXES_FILE",
+     'prompt prefixes (system prompts) whose KV tenants share, JSON: [{"system" or "text": T, '
+     '"tenants": [names]}] (docs/tenant-isolation.md)'),
+)
+
+
+def _add_file_flags(g, rows) -> None:
+    """A flag per (flag, environment variable, help) of `rows`: a file's path, by default
+    the variable's value, else none."""
+    for flag, env, help in rows:
+        g.add_argument(flag, default=_env(env, ""), help=help)
+
+
 def _add_admission_flags(g: argparse._ArgumentGroup, d: EdgeConfig) -> None:
-    g.add_argument("--api-keys-file", default=_env("PDSERVE_API_KEYS_FILE", ""),
-                   help="API keys, one `KEY TENANT high|normal|low [rps=N] [tpm=N]` per line "
-                        "(none: the API is open to whoever reaches the port)")
-    g.add_argument("--tenant-salt-file", default=_env("PDSERVE_TENANT_SALT_FILE", ""),
-                   help="the secret (>= 16 bytes) each tenant's KV-cache salt is keyed with; "
-                        "required with --api-keys-file, the same on every edge (`up` makes "
-                        "one when not given)")
-    g.add_argument("--shared-prefixes-file", default=_env("PDSERVE_SHARED_PREFIXES_FILE", ""),
-                   help="prompt prefixes (system prompts) whose KV tenants share, JSON: "
-                        '[{"system" or "text": T, "tenants": [names]}] (docs/tenant-isolation.md)')
+    _add_file_flags(g, _TENANT_FILES)
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="a request body larger than this is refused (413)")
     g.add_argument("--admission", action=argparse.BooleanOptionalAction, default=d.admission,
@@ -310,9 +322,9 @@ def add_worker(sub: argparse._SubParsersAction, role: str) -> None:
                    help="the router's HOST:PORT; several replicas as a comma-separated "
                         "list or dns:///NAME:PORT (every address NAME resolves to): the "
                         "worker registers with each")
-    w.add_argument("--cluster-token-file", default=_env("PDSERVE_CLUSTER_TOKEN_FILE", ""),
-                   help="a file holding the cluster token this worker shows when it "
-                        "registers (the routers' --cluster-token-file); empty: none")
+    _add_file_flags(w, (("--cluster-token-file", "PDSERVE_CLUSTER_TOKEN_FILE",
+                         "a file holding the cluster token this worker shows when it registers "
+                         "(the routers' --cluster-token-file); empty: none"),))
     w.add_argument("--worker-id", default="")
     _add_kv_flags(w, "NIXL side-channel port",
                   "pull: the decode engine READs the blocks; push: the prefill "
