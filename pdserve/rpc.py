@@ -7,6 +7,8 @@ flips it first and waits for its own calls before it stops (`drain`, `stop`).
 """
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
 from typing import Callable
 
@@ -111,3 +113,25 @@ def channel(address: str, receive_window: int = 0) -> grpc.aio.Channel:
         address, options=_KEEPALIVE + _RECONNECT + window + [
             ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)],
         interceptors=telemetry.client_interceptors() or None)
+
+
+class OpenCall:
+    """A streaming call that outlives the request that opened it, and so belongs to no
+    request's trace: fed from a queue (`_sent`; None ends it), its answers read by a task
+    of its own (`read()`, a coroutine), both started here; `close()` ends all three."""
+
+    def __init__(self, method, read) -> None:
+        self._requests: asyncio.Queue = asyncio.Queue()
+        quiet = contextvars.Context()
+        self._call = quiet.run(method, self._sent())
+        self._reader = asyncio.get_running_loop().create_task(read(), context=quiet)
+
+    async def _sent(self):
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def close(self) -> None:
+        self._requests.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import secrets
-import subprocess
+import signal
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from pdserve.cluster_token import write_token
-from pdserve.cli import ENGINE_FLAGS, PLACEMENT_FLAGS, EDGE_FLAGS
+from pdserve.flags import EDGE_FLAGS, ENGINE_FLAGS, PLACEMENT_FLAGS
 from pdserve.config import EngineConfig
+from pdserve.launch import Child, healthy, stop_all
 from pdserve.netaddr import dialable, hostport, loopback
 
 _READY_TIMEOUT_S = 600
@@ -141,39 +139,17 @@ def _commands(a: argparse.Namespace, eng: EngineConfig,
             *workers, edge]
 
 
-def healthy(url: str) -> bool:
-    """True when `url` answers 200 within 2 s."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _stop(procs: dict[str, subprocess.Popen], grace: float) -> None:
+def _stop(children: dict[str, Child], grace: float) -> None:
     """Stop in reverse start order, one tier at a time: the edge drains its streams
     while the workers still serve them, then the workers, then the router.
     SIGTERM goes to each child alone, not its session: a worker drains its calls,
     then stops its own engine (an engine process signalled with it would die
-    mid-stream). Whatever is left of a child's session after `grace` is SIGKILLed."""
+    mid-stream). Whatever is left of a child's session after that is SIGKILLed."""
     tiers = [("edge",), ("prefill-", "decode-"), ("router",)]
     for tier in tiers:
-        members = [(n, p) for n, p in procs.items() if n.startswith(tier)]
-        for _, p in members:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for name, p in members:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"pdserve: {name} did not stop in {grace:g}s; killing",
-                      file=sys.stderr)
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # engine subprocesses left in its session
-            except ProcessLookupError:
-                pass
-            p.wait()
+        members = [c for n, c in children.items() if n.startswith(tier)]
+        for late in stop_all(members, grace, sweep=True):
+            print(f"pdserve: {late}; killed", file=sys.stderr)
 
 
 class RestartPolicy:
@@ -211,15 +187,12 @@ class CrashLoop(Exception):
     """A child died more often than RestartPolicy allows; the message says which."""
 
 
-def _clean_up_after(proc: subprocess.Popen) -> None:
+def _clean_up_after(child: Child) -> None:
     """What a dead child leaves: the rest of its session (a worker's engine
     processes), and the socket file a worker's engine published KV events on."""
     from pdserve.services.worker.engine import kv_events_path
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    Path(kv_events_path(proc.pid)).unlink(missing_ok=True)
+    child.kill_session()
+    Path(kv_events_path(child.pid)).unlink(missing_ok=True)
 
 
 class Children:
@@ -229,13 +202,12 @@ class Children:
                  policy: RestartPolicy | None = None):
         self.commands = commands                  # name -> (argv, extra environment)
         self.policy = policy or RestartPolicy()
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Child] = {}
         self.due: dict[str, float] = {}           # dead children: when each starts again
 
     def start(self, name: str, now: float) -> None:
         cmd, env = self.commands[name]
-        self.procs[name] = subprocess.Popen(cmd, env={**os.environ, **env},
-                                            start_new_session=True)
+        self.procs[name] = Child(cmd, env, name=name)
         self.policy.started(name, now)
 
     def watch(self, now: float) -> None:
@@ -243,18 +215,18 @@ class Children:
         after and given a time to come back; those whose time has come are started.
         Raises CrashLoop for a child the policy gives up on."""
         for name, proc in self.procs.items():
-            if name in self.due or proc.poll() is None:
+            if name in self.due or proc.running():
                 continue
             _clean_up_after(proc)
             wait = self.policy.died(name, now)
             if wait is None:
                 raise CrashLoop(
-                    f"pdserve: {name} exited (code {proc.returncode}), its "
+                    f"pdserve: {name} exited (code {proc.popen.returncode}), its "
                     f"{len(self.policy.deaths[name])} deaths in {self.policy.window:g} s are "
                     f"a crash loop; stopping the stack")
             # A pool carries on without one worker (the router stops offering it);
             # a child comes back on the same ports, and a worker registers again.
-            print(f"pdserve: {name} exited (code {proc.returncode}); restarting it in "
+            print(f"pdserve: {name} exited (code {proc.popen.returncode}); restarting it in "
                   f"{wait:g} s", file=sys.stderr, flush=True)
             self.due[name] = now + wait
         for name in [n for n, at in self.due.items() if at <= now]:

@@ -2,18 +2,16 @@
 raw HTTP exchanges."""
 from __future__ import annotations
 
-import os
+import contextlib
 import re
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve import launch
 from pdserve.bench.deployments import free_port, free_port_run, metric_sum  # noqa: F401 (one source)
+from pdserve.launch import Child, ChildFailed
 from pdserve.netaddr import split_hostport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,89 +67,43 @@ def raw_exchange(url: str, data: bytes, timeout: float = 5) -> RawAnswer | None:
     return RawAnswer(version, int(status), headers, body[:length])
 
 
-class Proc:
-    """A child process whose output is kept, readable while it runs."""
+@contextlib.contextmanager
+def _as_test_failure():
+    """A child that failed a wait fails the test as an assert does (AssertionError, which
+    some callers catch to retry)."""
+    try:
+        yield
+    except ChildFailed as e:
+        raise AssertionError(str(e)) from None
+
+
+class Proc(Child):
+    """A child process run from the repository's root, its output kept as lines readable
+    while it runs (pdserve.launch.Child); a wait that fails raises AssertionError."""
 
     def __init__(self, cmd: list[str], env: dict | None = None, name: str = ""):
-        self.name = name or cmd[0]
-        self.lines: list[str] = []
-        self._terminated = False
-        self.popen = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
+        super().__init__(cmd, env, name=name, output="lines", cwd=ROOT)
 
     def wait_for(self, text: str, timeout: float, since: int = 0,
                  fatal: str | None = None) -> None:
-        """Block until a line (from line `since` on) contains `text`; fail with the log
-        tail otherwise, at once when a line contains `fatal`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(text in line for line in self.lines[since:]):
-                return
-            if fatal and any(fatal in line for line in self.lines[since:]):
-                break
-            if self.popen.poll() is not None:
-                break
-            time.sleep(0.2)
-        tail = "\n".join(self.lines[-60:])
-        raise AssertionError(f"{self.name}: no {text!r} within {timeout}s "
-                             f"(exit {self.popen.poll()}). Log tail:\n{tail}")
+        with _as_test_failure():
+            super().wait_for(text, timeout, since, fatal)
 
     def wait_listening(self, port: int, timeout: float = 10) -> None:
-        """Block until something accepts connections on 127.0.0.1:`port`."""
-        import socket
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.popen.poll() is None:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError(f"{self.name}: nothing listens on :{port}. Log tail:\n"
-                             + "\n".join(self.lines[-30:]))
-
-    def descendants(self) -> list[int]:
-        """PIDs of every process in the child's tree (it runs in its own session)."""
-        import psutil
-        try:
-            return [p.pid for p in psutil.Process(self.popen.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def terminate(self) -> None:
-        """SIGTERM, once: a second one cuts a pdserve process's drain short."""
-        if self.popen.poll() is None and not self._terminated:
-            self._terminated = True
-            self.popen.send_signal(signal.SIGTERM)
+        with _as_test_failure():
+            super().wait_listening(port, timeout)
 
     def stop(self, timeout: float = 60) -> int:
-        """SIGTERM, wait; SIGKILL the session if it does not stop. Returns the exit code."""
-        self.terminate()
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
-            raise AssertionError(f"{self.name} did not stop within {timeout}s of SIGTERM")
+        """SIGTERM, wait; SIGKILL the session if it does not stop (and fail). Returns the
+        exit code. What it leaves behind when it stops in time is left, for a test to see."""
+        with _as_test_failure():
+            return super().stop(grace=timeout)
 
 
 def stop_all(procs: list[Proc], timeout: float = 60) -> None:
     """SIGTERM every one at once, then wait for each (as Proc.stop): processes that
     shut down slowly (a vLLM engine takes seconds) do so side by side."""
-    for proc in procs:
-        proc.terminate()
-    late = []
-    for proc in procs:
-        try:
-            proc.stop(timeout=timeout)
-        except AssertionError as e:
-            late.append(str(e))
+    late = launch.stop_all(procs, timeout)
     assert not late, "; ".join(late)
 
 
@@ -172,6 +124,17 @@ def c_part(part: str):
 
 def pdserve_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", *args]
+
+
+def up_cmd(ports: dict[str, int], model_dir, kv: int, metrics: int, *flags: str) -> list[str]:
+    """`pdserve up` on `ports` (edge, grpc, router, prefill, decode: the first of each
+    pool), its workers' NIXL side channels and metrics counting up from `kv` and
+    `metrics`, with `flags` more."""
+    return pdserve_cmd("up", "--port", str(ports["edge"]), "--grpc-port", str(ports["grpc"]),
+                       "--router-port", str(ports["router"]),
+                       "--prefill-port", str(ports["prefill"]),
+                       "--decode-port", str(ports["decode"]), "--kv-port", str(kv),
+                       "--model", str(model_dir), "--worker-metrics-port", str(metrics), *flags)
 
 
 # The request header that asks a POST /v1/completions or /v1/chat/completions for the
@@ -242,9 +205,5 @@ def http_status(url: str) -> int:
 def wait_http(url: str, proc: Proc, timeout: float) -> None:
     """Block until GET `url` is 200; fail with `proc`'s log tail when it exits or the
     time runs out."""
-    deadline = time.monotonic() + timeout
-    while http_status(url) != 200:
-        if proc.popen.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"{url} not up in {timeout}s (exit {proc.popen.poll()}):\n"
-                                 + "\n".join(proc.lines[-60:]))
-        time.sleep(0.2)
+    with _as_test_failure():
+        launch.wait_healthy([url], [proc], timeout)

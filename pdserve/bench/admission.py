@@ -7,8 +7,7 @@ keys file of two tenants, `steady` and `burst` (both `normal`):
 - real backend: `pdserve up` (1 prefill + 1 decode worker, the tiny model) with
   `--max-num-seqs` small, so that the decode pool's capacity is a few requests;
 - synthetic backend: `pdserve router` + `pdserve edge` in front of a synthetic
-  engine (this module run as `python -m pdserve.bench.admission`: the clock
-  engine of `pdserve/bench/synthetic.py` holding at most `capacity` streams at
+  engine (pdserve/bench/synthetic.py holding at most `--max-num-seqs` streams at
   once, the rest waiting, as vLLM's scheduler does), so the flow runs in seconds;
   `--edges N` starts N edge replicas on the one router and sends them requests
   in turn (they share the pool through the router: services/router/edges.py).
@@ -34,25 +33,21 @@ Only the result goes to stdout; progress goes to stderr.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import itertools
 import json
 import os
-import random
+import secrets
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from .deployments import Hardware, PdserveStack, _Children, free_port
+from .admission_load import TENANTS, Outcome, Load, queue_wait, scrape, Watch, prompts
+from .deployments import Hardware, PdserveStack, processes, free_port
 
-TENANTS = {"steady": "sk-bench-steady-0f3a9c", "burst": "sk-bench-burst-7d21e4"}
 REJECTED = (429, 503)
 
 
@@ -100,63 +95,12 @@ SMOKE = Settings(backend="synthetic", duration=1.5, fairness_duration=1.5,
                  capacity_seconds=1.0, timeout=30.0, settle=1.0)
 
 
-# --- the synthetic engine (`python -m pdserve.bench.admission ...`) ---------------------
-
-def _bounded_engine(tokenizer, name: str, rate: float, capacity: int):
-    """The stamp engine of `pdserve bench edge`, running at most `capacity` streams at
-    once; the rest wait their turn and are reported as waiting."""
-    from smg_grpc_proto import vllm_engine_pb2
-
-    from .edge_source import StampEngine
-
-    class BoundedEngine(StampEngine):
-        def __init__(self):
-            super().__init__(tokenizer, name, rate)
-            self.capacity = capacity
-            self.slots = asyncio.Semaphore(capacity)
-            self.waiting = 0
-
-        async def Generate(self, request, context):
-            self.waiting += 1
-            try:
-                await self.slots.acquire()
-            finally:
-                self.waiting -= 1
-            try:
-                async for out in super().Generate(request, context):
-                    yield out
-            finally:
-                self.slots.release()
-
-        async def GetLoads(self, request, context):
-            return vllm_engine_pb2.GetLoadsResponse(dp_rank_count=1, loads=[
-                vllm_engine_pb2.SchedulerLoad(num_running_reqs=len(self.running),
-                                              num_waiting_reqs=self.waiting,
-                                              max_running_requests=self.capacity)])
-
-    return BoundedEngine()
-
-
-async def _serve_engine(model: str, port: int, rate: float, capacity: int) -> None:
-    from transformers import AutoTokenizer
-
-    from pdserve.lifecycle import until_signalled
-    from pdserve.rpc import Server
-    from pdserve.bench.synthetic import SERVICE_NAMES, add_to_server
-
-    engine = _bounded_engine(AutoTokenizer.from_pretrained(model), model, rate, capacity)
-    server = Server("127.0.0.1", port, lambda s: add_to_server(engine, s), SERVICE_NAMES)
-    await server.start()
-    try:
-        await until_signalled()
-    finally:
-        await server.stop(grace=1.0)
-
-
 # --- the stacks under test ---------------------------------------------------------------
 
 def _edge_flags(st: Settings, keys_file: Path, admission: bool) -> list[str]:
-    flags = ["--api-keys-file", str(keys_file), "--drain-seconds", "2"]
+    # Keys need the deployment's salt secret: the one written beside them.
+    flags = ["--api-keys-file", str(keys_file), "--tenant-salt-file",
+             str(keys_file.with_name("tenant-salt")), "--drain-seconds", "2"]
     if not admission:
         return [*flags, "--no-admission"]
     return [*flags, "--admission", "--admission-queue", str(st.admission_queue),
@@ -195,14 +139,14 @@ class _SyntheticStack:
 
     def __init__(self, st: Settings, model: str, keys_file: Path, admission: bool):
         self.st, self.model, self.keys_file, self.admission = st, model, keys_file, admission
-        self.children = _Children("admission-synthetic")
+        self.children = processes("admission-synthetic")
         self.urls: list[str] = []
         self.engine_metrics = None
 
     def start(self) -> list[str]:
         engine, router = free_port(), free_port()
         cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
-        self.children.start([sys.executable, "-m", "pdserve.bench.admission", "--model",
+        self.children.start([sys.executable, "-m", "pdserve.bench.synthetic", "--model",
                              self.model, "--port", str(engine), "--rate",
                              str(self.st.synthetic_rate), "--capacity",
                              str(self.st.max_num_seqs)], {})
@@ -220,253 +164,10 @@ class _SyntheticStack:
 
     def edge_pid(self) -> int:
         """The first edge (its RSS and CPU are the ones reported)."""
-        return self.children.procs[2][0].pid
+        return self.children.children[2].pid
 
     def stop(self) -> None:
         self.children.stop()
-
-
-# --- the load ----------------------------------------------------------------------------
-
-def prompts(model: str, n_tokens: int, seed: int):
-    """Endless distinct prompts of about `n_tokens` tokens (no shared prefix to cache)."""
-    from transformers import AutoTokenizer
-
-    from pdserve.tiny_model import synthetic_corpus
-    tok = AutoTokenizer.from_pretrained(model)
-    i = 0
-    while True:
-        text = " ".join(synthetic_corpus(seed * 1_000_003 + i, max(2, n_tokens // 8)))
-        ids = tok.encode(text, add_special_tokens=False)[:n_tokens - 1]   # + BOS
-        yield tok.decode(ids)
-        i += 1
-
-
-@dataclass(slots=True)
-class Outcome:
-    """One request as its client saw it (times in seconds from its send)."""
-
-    tenant: str
-    status: int = 0                 # 0: no response
-    headers_at: float | None = None
-    ttft: float | None = None
-    e2e: float | None = None
-    tokens: int = 0                 # usage.completion_tokens
-    chunks: int = 0
-    done: bool = False              # data: [DONE]
-    finish: str = ""
-    retry_after: bool = False
-    queue: float | None = None      # the edge's x-pdserve-queue-ms, in seconds
-    error: str = ""
-
-
-async def _request(http, url: str, tenant: str, body: dict) -> Outcome:
-    """One streamed completion; parses SSE (`id:`, `data:` and comment lines)."""
-    import aiohttp
-    o = Outcome(tenant)
-    start = time.perf_counter()
-    try:
-        async with http.post(f"{url}/v1/completions", json=body,
-                             headers={"Authorization": f"Bearer {TENANTS[tenant]}"}) as r:
-            o.status, o.headers_at = r.status, time.perf_counter() - start
-            if "x-pdserve-queue-ms" in r.headers:
-                o.queue = float(r.headers["x-pdserve-queue-ms"]) / 1000
-            if r.status != 200:
-                o.retry_after = "Retry-After" in r.headers
-                await r.read()
-                return o
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    o.done = True
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    o.error = str(event["error"].get("code") or "stream_error")
-                for choice in event.get("choices") or []:
-                    if o.ttft is None:
-                        o.ttft = time.perf_counter() - start
-                    o.chunks += bool(choice.get("text"))
-                    o.finish = choice.get("finish_reason") or o.finish
-                if event.get("usage"):
-                    o.tokens = event["usage"]["completion_tokens"]
-            o.e2e = time.perf_counter() - start
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        o.error = type(e).__name__
-    return o
-
-
-class _Load:
-    """Sends the benchmark's requests to the edges, in turn."""
-
-    def __init__(self, st: Settings, model: str, urls: list[str], prompt_source):
-        self.st, self.model, self.prompts = st, model, prompt_source
-        self._urls = itertools.cycle(urls)
-        self.lag: list[float] = []      # the client's own event-loop lag (s), sampled
-
-    def next_url(self) -> str:
-        """The edge the next request goes to."""
-        return next(self._urls)
-
-    async def _watch_lag(self) -> None:
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(0.01)
-            self.lag.append(time.perf_counter() - t - 0.01)
-
-    def body(self) -> dict:
-        return {"model": self.model, "prompt": next(self.prompts), "max_tokens":
-                self.st.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-
-    def _session(self):
-        import aiohttp
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=self.st.request_timeout))
-
-    async def closed(self, concurrency: int, seconds: float) -> tuple[list[Outcome], float]:
-        """`concurrency` clients, each sending its next request when the last ends."""
-        out: list[Outcome] = []
-        async with self._session() as http:
-            t0 = time.perf_counter()
-
-            async def client() -> None:
-                while time.perf_counter() - t0 < seconds:
-                    out.append(await _request(http, self.next_url(), "steady", self.body()))
-            await asyncio.gather(*(client() for _ in range(concurrency)))
-            return out, time.perf_counter() - t0
-
-    async def open(self, rates: dict[str, float], seconds: float, seed: int) -> list[Outcome]:
-        """Poisson arrivals per tenant at `rates` (req/s) for `seconds`; every request is
-        waited for."""
-        rng = random.Random(seed)
-        arrivals = []
-        for tenant, rate in rates.items():
-            t = rng.expovariate(rate)
-            while t < seconds:
-                arrivals.append((t, tenant))
-                t += rng.expovariate(rate)
-        arrivals.sort()
-        self.lag = []
-        watch = asyncio.create_task(self._watch_lag())
-        try:
-            async with self._session() as http:
-                t0, tasks = time.perf_counter(), []
-                for t, tenant in arrivals:
-                    delay = t0 + t - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    tasks.append(asyncio.create_task(_request(http, self.next_url(), tenant,
-                                                              self.body())))
-                # The phase lasts its `seconds` even when the last arrival came early
-                # (Poisson): rates over its wall time are then rates over the window.
-                await asyncio.sleep(max(0.0, t0 + seconds - time.perf_counter()))
-                return list(await asyncio.gather(*tasks))
-        finally:
-            watch.cancel()
-
-
-# --- what the edge and the engine say ----------------------------------------------------
-
-def _scrape(urls: list[str]) -> dict[str, dict[str, float]]:
-    """The edges' admission series, summed: queue-wait histogram, rejections by reason,
-    preemptions."""
-    from prometheus_client.parser import text_string_to_metric_families
-    out: dict[str, dict[str, float]] = {"wait_bucket": {}, "wait": {}, "rejections": {},
-                                        "preemptions": {}}
-
-    def add(series: str, key: str, value: float) -> None:
-        out[series][key] = out[series].get(key, 0.0) + value
-    for url in urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            body = r.read().decode()
-        for family in text_string_to_metric_families(body):
-            for s in family.samples:
-                if s.name == "pdserve:request_queue_time_seconds_bucket":
-                    add("wait_bucket", s.labels["le"], s.value)
-                elif s.name in ("pdserve:request_queue_time_seconds_count",
-                                "pdserve:request_queue_time_seconds_sum"):
-                    add("wait", s.name.rsplit("_", 1)[1], s.value)
-                elif s.name == "pdserve:rejections_total":
-                    add("rejections", s.labels["reason"], s.value)
-                elif s.name == "pdserve:preemptions_total":
-                    add("preemptions", "total", s.value)
-    return out
-
-
-def _queue_wait(before: dict, after: dict) -> dict:
-    """Queue wait of the requests admitted between two scrapes: count, mean, and the
-    histogram bucket holding p50 / p99 (`le`, in ms)."""
-    n = after["wait"].get("count", 0) - before["wait"].get("count", 0)
-    if n <= 0:
-        return {"admitted": 0}
-    total = after["wait"]["sum"] - before["wait"].get("sum", 0)
-    cum = sorted(((float(le), v - before["wait_bucket"].get(le, 0))
-                  for le, v in after["wait_bucket"].items()))
-
-    def le_ms(q: float):
-        le = next(le for le, c in cum if c >= q * n)
-        return None if le == float("inf") else round(le * 1000, 1)
-    return {"admitted": int(n), "mean_ms": round(total / n * 1000, 1),
-            "p50_le_ms": le_ms(0.5), "p99_le_ms": le_ms(0.99)}
-
-
-class _Watch:
-    """Samples the edge's RSS (10/s) and the decode engine's running/waiting (2/s) in a
-    thread while a phase runs."""
-
-    def __init__(self, edge_pid: int, engine_metrics: str | None):
-        import psutil
-        self.edge = psutil.Process(edge_pid)
-        self.engine_metrics = engine_metrics
-        self.rss = [self.edge.memory_info().rss]
-        self.cpu = [self._cpu()]
-        self.engine = {"running": 0.0, "waiting": 0.0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        from .deployments import metric_sum
-        n = 0
-        while not self._stop.wait(0.1):
-            self.rss.append(self.edge.memory_info().rss)
-            n += 1
-            if self.engine_metrics and n % 5 == 0:
-                try:
-                    for k in self.engine:
-                        self.engine[k] = max(self.engine[k], metric_sum(
-                            self.engine_metrics, f"vllm:num_requests_{k}"))
-                except OSError:
-                    pass
-
-    def __enter__(self) -> "_Watch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.rss.append(self.edge.memory_info().rss)
-        self.cpu.append(self._cpu())
-
-    def _cpu(self) -> tuple[float, float]:
-        """CPU seconds so far of the edge and of this process (the load generator)."""
-        import psutil
-        return tuple(sum(t[:2]) for t in (self.edge.cpu_times(), psutil.Process().cpu_times()))
-
-    def figures(self) -> dict:
-        mib = lambda b: round(b / 2**20, 1)  # noqa: E731
-        out = {"edge_rss_mib": {"start": mib(self.rss[0]), "peak": mib(max(self.rss)),
-                                "end": mib(self.rss[-1]),
-                                "growth": mib(max(self.rss) - self.rss[0])},
-               "cpu_s": {"edge": round(self.cpu[1][0] - self.cpu[0][0], 1),
-                         "load_generator": round(self.cpu[1][1] - self.cpu[0][1], 1)}}
-        if self.engine_metrics:
-            out["decode_engine_peak"] = {k: int(v) for k, v in self.engine.items()}
-        return out
 
 
 # --- figures -----------------------------------------------------------------------------
@@ -539,7 +240,7 @@ def _within(run: dict, slo: dict) -> bool:
 class _Runner:
     """Runs phases against one started stack."""
 
-    def __init__(self, st: Settings, stack, load: _Load):
+    def __init__(self, st: Settings, stack, load: Load):
         self.st, self.stack, self.load = st, stack, load
         self.seed = st.seed
 
@@ -547,12 +248,12 @@ class _Runner:
              seconds: float) -> dict:
         progress(f"{name}: " + ", ".join(f"{t} {r:.2f} req/s" for t, r in rates.items())
                  + f" for {seconds:g} s")
-        before = _scrape(self.stack.urls)
+        before = scrape(self.stack.urls)
         self.seed += 1
         t0 = time.perf_counter()
-        with _Watch(self.stack.edge_pid(), self.stack.engine_metrics) as watch:
+        with Watch(self.stack.edge_pid(), self.stack.engine_metrics) as watch:
             outs = asyncio.run(self.load.open(rates, seconds, self.seed))
-        after = _scrape(self.stack.urls)
+        after = scrape(self.stack.urls)
         wall = time.perf_counter() - t0
         run = {"rates_rps": {t: round(r, 2) for t, r in rates.items()},
                "wall_s": round(wall, 1), **figures(outs, self.st, slo)}
@@ -562,7 +263,7 @@ class _Runner:
             run["tenants"] = {t: figures([o for o in outs if o.tenant == t], self.st, slo)
                               for t in rates}
         run |= watch.figures()
-        run["queue_wait"] = _queue_wait(before, after)
+        run["queue_wait"] = queue_wait(before, after)
         run["rejections_by_reason"] = {k: int(v - before["rejections"].get(k, 0))
                                        for k, v in after["rejections"].items()
                                        if v - before["rejections"].get(k, 0)}
@@ -599,7 +300,7 @@ def _with_stack(st: Settings, model: str, keys_file: Path, admission: bool, phas
     progress(f"starting the {st.backend} stack, {'with' if admission else 'without'} admission")
     try:
         urls = stack.start()
-        runner = _Runner(st, stack, _Load(st, model, urls, prompts(model, st.prompt_tokens,
+        runner = _Runner(st, stack, Load(st, model, urls, prompts(model, st.prompt_tokens,
                                                                    st.seed)))
         runner.warm_up()
         phases(runner)
@@ -621,6 +322,7 @@ def bench_admission(st: Settings, model: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-admission-") as tmp:
         keys_file = Path(tmp) / "keys"
         keys_file.write_text("".join(f"{k} {t} normal\n" for t, k in TENANTS.items()))
+        keys_file.with_name("tenant-salt").write_text(secrets.token_hex(32))
 
         def baseline(r: _Runner) -> None:
             cap = result["capacity"] = r.capacity()
@@ -709,22 +411,3 @@ def table(result: dict) -> str:
                 f"{f['steady_ttft_p99_ratio_no_admission']}")
     rows += [f"  target {k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()]
     return "\n".join(rows)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The synthetic engine the synthetic backend starts."""
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.admission",
-                                description="A synthetic engine that runs at most --capacity "
-                                            "streams at once (the rest wait).")
-    p.add_argument("--model", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--rate", type=float, default=100.0, help="tokens per second per stream")
-    p.add_argument("--capacity", type=int, default=4)
-    a = p.parse_args(argv)
-    import uvloop
-    uvloop.run(_serve_engine(a.model, a.port, a.rate, a.capacity))
-
-
-if __name__ == "__main__":
-    main()
-

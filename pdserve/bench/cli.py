@@ -18,11 +18,22 @@
                                                     fixed HTTP/2 receive window, by size
     pdserve bench resume [--trials N] [--json]      background responses dropped on one edge
                                                     replica, resumed on another (Redis)
+    pdserve bench legs --prefill A --decode A       with a stack up: each prompt's prefill leg,
+                                                    decode leg with the pulled KV, and decode
+                                                    leg prefilling locally, over gRPC
+    pdserve bench spans [--requests N] [--rate R]   where a cold request's TTFT goes, from the
+                                                    services' own spans
+    pdserve bench local [--prompts N]               a worker's local path against stock vLLM
+                                                    on the same core; exits 1 past --max-ratio
+    pdserve bench decode-calls [--reps N]           two edges on one stack, paired: the two
+                       [--beside-tree P] [--beside-env N=V]   --decode-calls modes, two
+                                                    checkouts or two environments
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import shlex
@@ -30,6 +41,17 @@ import sys
 from pathlib import Path
 
 from pdserve.config import RouterConfig
+from pdserve.flags import DEFAULT_MODEL_DIR
+
+
+def _parser(name: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=f"pdserve bench {name}", description=description)
+
+
+def _model(given: str) -> str:
+    """--model, or the tiny model (built if absent)."""
+    from pdserve.tiny_model import ensure_tiny_model
+    return given or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
 
 
 def _serve(argv: list[str]) -> int:
@@ -46,8 +68,6 @@ def _serve(argv: list[str]) -> int:
 
 
 def _compare_parser() -> argparse.ArgumentParser:
-    from pdserve.cli import DEFAULT_MODEL_DIR
-
     from .slo import DEFAULT_MIXES     # imports vLLM (3 s): only the commands that need it
     p = argparse.ArgumentParser(prog="pdserve bench compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,9 +111,6 @@ def _plan(a: argparse.Namespace):
 
 
 def _compare(argv: list[str]) -> int:
-    from pdserve.cli import DEFAULT_MODEL_DIR
-    from pdserve.tiny_model import ensure_tiny_model
-
     from .compare import compare, write
     from .deployments import Hardware
     from .slo import DEFAULT_MIXES, parse_slo
@@ -108,7 +125,7 @@ def _compare(argv: list[str]) -> int:
     except ValueError as e:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2
-    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    model = _model(a.model)
     command = "pdserve bench compare " + shlex.join(argv)
     # Only the result goes to stdout; whatever the libraries print goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
@@ -145,15 +162,11 @@ def format_table(result: dict) -> str:
 
 
 def _gateways(argv: list[str]) -> int:
-    from pdserve.cli import DEFAULT_MODEL_DIR
-    from pdserve.tiny_model import ensure_tiny_model
-
     from .deployments import Hardware
     from .gateways import compare_gateways
 
-    p = argparse.ArgumentParser(prog="pdserve bench gateways",
-                                description="pdserve's edge and SMG in front of the same "
-                                            "prefill and decode workers, side by side.")
+    p = _parser("gateways", "pdserve's edge and SMG in front of the same prefill and decode "
+                "workers, side by side.")
     p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
     p.add_argument("--requests", type=int, default=30, help="requests per rep and gateway")
     p.add_argument("--rate", type=float, default=1.0)
@@ -169,7 +182,7 @@ def _gateways(argv: list[str]) -> int:
     if a.requests < 1 or a.reps < 1 or a.rate <= 0:
         print("pdserve bench gateways: --requests, --reps and --rate must be > 0", file=sys.stderr)
         return 2
-    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    model = _model(a.model)
     hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
     with contextlib.redirect_stdout(sys.stderr):
         result = compare_gateways(model, a.requests, a.rate, a.reps, a.seed, hw,
@@ -192,10 +205,8 @@ def _gateways(argv: list[str]) -> int:
 def _router(argv: list[str]) -> int:
     from .router_sim import SimConfig, run_all
 
-    p = argparse.ArgumentParser(prog="pdserve bench router",
-                                description="The router's placement replayed on a synthetic "
-                                            "multi-turn chat trace, against baseline policies "
-                                            "(no engines; seconds).")
+    p = _parser("router", "The router's placement replayed on a synthetic multi-turn chat trace, "
+                "against baseline policies (no engines; seconds).")
     p.add_argument("--workers", type=int, default=4, help="decode workers")
     p.add_argument("--sessions", type=int, default=2400)
     p.add_argument("--balance", type=float, default=1.25, help="bounded-load factor c")
@@ -255,10 +266,8 @@ def _placement(argv: list[str]) -> int:
     from .placement import PlacementBench, compare, table
 
     d = PlacementBench()
-    p = argparse.ArgumentParser(prog="pdserve bench placement",
-                                description="What one placement decision costs the router, "
-                                            "its C path against its Python one, on a large "
-                                            "state at offered rates (no engines; a minute).")
+    p = _parser("placement", "What one placement decision costs the router, its C path against its "
+                "Python one, on a large state at offered rates (no engines; a minute).")
     p.add_argument("--workers", type=int, default=d.workers, help="decode workers")
     p.add_argument("--prefixes", type=int, default=d.prefixes,
                    help="cached prompt prefixes each worker holds")
@@ -287,16 +296,11 @@ def _placement(argv: list[str]) -> int:
 
 
 def _sessions(argv: list[str]) -> int:
-    from pdserve.cli import DEFAULT_MODEL_DIR
-    from pdserve.tiny_model import ensure_tiny_model
-
     from .deployments import Hardware
     from .sessions import compare_sessions, table
 
-    p = argparse.ArgumentParser(prog="pdserve bench sessions",
-                                description="Multi-turn chat sessions through pdserve and SMG "
-                                            "(cache_aware, consistent_hashing) in front of the "
-                                            "same prefill worker and 2 decode workers.")
+    p = _parser("sessions", "Multi-turn chat sessions through pdserve and SMG (cache_aware, "
+                "consistent_hashing) in front of the same prefill worker and 2 decode workers.")
     p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
@@ -311,7 +315,7 @@ def _sessions(argv: list[str]) -> int:
     if min(a.sessions, a.turns, a.concurrency, a.reps) < 1 or a.balance < 1:
         print("pdserve bench sessions: every count and --balance must be >= 1", file=sys.stderr)
         return 2
-    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    model = _model(a.model)
     hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
     with contextlib.redirect_stdout(sys.stderr):
         result = compare_sessions(model, a.sessions, a.turns, a.concurrency, a.reps, a.seed, hw,
@@ -320,18 +324,25 @@ def _sessions(argv: list[str]) -> int:
     return 0
 
 
-def _edge(argv: list[str]) -> int:
+def _report(name: str, argv: list[str], as_json: bool, table, run) -> int:
+    """Run a benchmark that starts processes: its prints on stderr, SIGTERM unwinding it
+    as Ctrl-C does (so every process it started is stopped); then its result on stdout,
+    one JSON object or `table`'s text, with the command that made it."""
     import signal
+    signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run()
+    result["command"] = f"pdserve bench {name} " + shlex.join(argv)
+    print(json.dumps(result) if as_json else table(result))
+    return 0
 
-    from pdserve.cli import DEFAULT_MODEL_DIR
-    from pdserve.tiny_model import ensure_tiny_model
 
-    from .edge import NGINX, PATHS, Settings, bench_edge, table
+def _edge(argv: list[str]) -> int:
+    from .edge import PATHS, Settings, bench_edge, table
+    from .edge_paths import NGINX
 
-    p = argparse.ArgumentParser(prog="pdserve bench edge",
-                                description="Concurrent SSE streams from a synthetic token "
-                                            "source: direct, through nginx and through "
-                                            "pdserve's edge, one after another in one run.")
+    p = _parser("edge", "Concurrent SSE streams from a synthetic token source: direct, through "
+                "nginx and through pdserve's edge, one after another in one run.")
     p.add_argument("--streams", type=int, default=1000, help="concurrent streams per path")
     p.add_argument("--rate", type=float, default=20.0, help="tokens per second per stream")
     p.add_argument("--duration", type=float, default=20.0, help="seconds each stream lasts")
@@ -362,30 +373,19 @@ def _edge(argv: list[str]) -> int:
         print(f"pdserve bench edge: {NGINX} not found (apt-get install nginx, or leave nginx "
               "out of --paths)", file=sys.stderr)
         return 2
-    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
+    model = _model(a.model)
     st = Settings(a.streams, a.rate, a.duration, a.ramp, min(a.clients, a.streams), a.timeout)
-    # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
-    signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
-    with contextlib.redirect_stdout(sys.stderr):
-        result = bench_edge(st, paths, model, a.together)
-    result["command"] = "pdserve bench edge " + shlex.join(argv)
-    print(json.dumps(result) if a.json else table(result))
-    return 0
+    return _report("edge", argv, a.json, table, lambda: bench_edge(st, paths, model, a.together))
 
 
 def _admission(argv: list[str]) -> int:
-    import signal
     from dataclasses import replace
 
-    from pdserve.cli import DEFAULT_MODEL_DIR
-    from pdserve.tiny_model import ensure_tiny_model
 
     from .admission import SMOKE, Settings, bench_admission, table
 
-    p = argparse.ArgumentParser(prog="pdserve bench admission",
-                                description="The edge at 3x what the decode pool serves, and "
-                                            "a tenant bursting at 10x another's rate: with "
-                                            "admission control, then with --no-admission.")
+    p = _parser("admission", "The edge at 3x what the decode pool serves, and a tenant bursting at "
+                "10x another's rate: with admission control, then with --no-admission.")
     p.add_argument("--backend", choices=["real", "synthetic"], default=None,
                    help="real: pdserve up with the tiny model (default); synthetic: the "
                         "edge and router in front of a synthetic engine (seconds)")
@@ -417,39 +417,30 @@ def _admission(argv: list[str]) -> int:
         print("pdserve bench admission: --edges > 1 needs --backend synthetic (`pdserve up` "
               "starts one edge)", file=sys.stderr)
         return 2
-    model = a.model or str(ensure_tiny_model(DEFAULT_MODEL_DIR).resolve())
-    # SIGTERM unwinds like Ctrl-C, so every process started is stopped.
-    signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
-    with contextlib.redirect_stdout(sys.stderr):
-        result = bench_admission(st, model)
-    result["command"] = "pdserve bench admission " + shlex.join(argv)
-    print(json.dumps(result) if a.json else table(result))
-    return 0
+    model = _model(a.model)
+    return _report("admission", argv, a.json, table, lambda: bench_admission(st, model))
+
+
+def _module(name: str):
+    """The `main(argv)` of harness module `name`, imported when run."""
+    def run(argv: list[str]) -> int:
+        return importlib.import_module(f"pdserve.bench.{name}").main(argv)
+    return run
+
+
+def commands() -> dict:
+    """Every `pdserve bench` subcommand: the function that parses its arguments and runs it."""
+    return {"serve": _serve, "compare": _compare, "gateways": _gateways, "router": _router,
+            "placement": _placement, "sessions": _sessions, "edge": _edge,
+            "admission": _admission, "window": _module("window"), "resume": _module("resume"),
+            "legs": _module("legs"), "spans": _module("spans"), "local": _module("local_path"),
+            "decode-calls": _module("decode_calls")}
 
 
 def main(argv: list[str]) -> int:
     """Dispatch `pdserve bench <what> ...`."""
-    if argv[:1] == ["serve"]:
-        return _serve(argv[1:])
-    if argv[:1] == ["gateways"]:
-        return _gateways(argv[1:])
-    if argv[:1] == ["compare"]:
-        return _compare(argv[1:])
-    if argv[:1] == ["router"]:
-        return _router(argv[1:])
-    if argv[:1] == ["placement"]:
-        return _placement(argv[1:])
-    if argv[:1] == ["sessions"]:
-        return _sessions(argv[1:])
-    if argv[:1] == ["window"]:
-        from .window import main as window_main
-        return window_main(argv[1:])
-    if argv[:1] == ["edge"]:
-        return _edge(argv[1:])
-    if argv[:1] == ["resume"]:
-        from .resume import main as resume_main
-        return resume_main(argv[1:])
-    if argv[:1] == ["admission"]:
-        return _admission(argv[1:])
-    print(__doc__.strip(), file=sys.stderr)
-    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    run = commands().get(argv[0]) if argv else None
+    if run is None:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    return run(argv[1:])

@@ -11,15 +11,12 @@ cores, or GPUs with `--device cuda`):
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.supervisor import healthy
+from pdserve.launch import Group
 
 _READY_TIMEOUT_S = int(os.environ.get("PDSERVE_BENCH_READY_S", "400"))
 
@@ -159,54 +156,9 @@ class Hardware:
         return units[:half], units[half:] or units[:half]
 
 
-class _Children:
-    """Child processes, each in its own session, logging to temporary files."""
-
-    def __init__(self, label: str):
-        self.label = label
-        self.procs: list[tuple[subprocess.Popen, Path]] = []
-
-    def start(self, cmd: list[str], env: dict[str, str], cores: list[int] | None = None,
-              cwd: str | None = None) -> None:
-        log = Path(tempfile.mkstemp(prefix=f"pdserve-bench-{self.label}-", suffix=".log")[1])
-        with open(log, "w") as out:
-            p = subprocess.Popen(
-                cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=cwd,
-                preexec_fn=(lambda: os.sched_setaffinity(0, set(cores))) if cores else None)
-        self.procs.append((p, log))
-
-    def wait_healthy(self, urls: list[str]) -> None:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        pending = list(urls)
-        while pending and time.monotonic() < deadline:
-            for p, log in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{self.label}: a process exited ({p.returncode}):\n"
-                                       + log.read_text()[-3000:])
-            pending = [u for u in pending if not healthy(u)]
-            time.sleep(0.5)
-        if pending:
-            tails = "\n".join(log.read_text()[-3000:] for _, log in self.procs)
-            raise RuntimeError(f"{self.label}: {pending} not healthy in {_READY_TIMEOUT_S}s:\n"
-                               + tails)
-
-    def stop(self) -> None:
-        for p, _ in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p, log in self.procs:
-            try:
-                p.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # engine processes left in its session
-            except ProcessLookupError:
-                pass
-            p.wait()
-            log.unlink(missing_ok=True)
-        self.procs.clear()
+def processes(label: str) -> Group:
+    """A deployment's processes, each given the bench's wait to be ready."""
+    return Group(label, ready_s=_READY_TIMEOUT_S)
 
 
 class PdserveStack:
@@ -222,7 +174,7 @@ class PdserveStack:
         self.prefill_workers = prefill_workers
         self.decode_workers = decode_workers
         self.placement = placement      # more of up's flags (e.g. the router's --balance 2)
-        self.children = _Children(label)
+        self.children = processes(label)
         self.urls: list[str] = []
         self.ports: dict[str, int] = {}
 
@@ -272,7 +224,7 @@ class PdserveStack:
     @property
     def up_pid(self) -> int:
         """The `pdserve up` process (its children are the stack's services)."""
-        return self.children.procs[0][0].pid
+        return self.children.children[0].pid
 
     def gateway_pids(self) -> list[int]:
         return gateway_pids(self.up_pid)
@@ -302,7 +254,7 @@ class StockVllm:
         self.model = model
         self.unit_sets = unit_sets
         self.hw = hw
-        self.children = _Children(label)
+        self.children = processes(label)
         self.urls: list[str] = []
 
     def start(self) -> list[str]:
@@ -339,7 +291,7 @@ class EmbeddedEdge:
     def __init__(self, label: str, model: str, prefill: list[str], decode: list[str],
                  max_model_len: int, edge_flags: tuple[str, ...] = ()):
         self.label = label
-        self.children = _Children(label)
+        self.children = processes(label)
         self.args = [f"--prefill-worker={a}" for a in prefill] + [
             f"--decode-worker={a}" for a in decode] + [
             "--model", model, "--max-model-len", str(max_model_len),
@@ -359,7 +311,7 @@ class EmbeddedEdge:
         return urls
 
     def pids(self) -> list[int]:
-        return [p.pid for p, _ in self.children.procs]
+        return self.children.pids()
 
     def stop(self) -> None:
         self.children.stop()
@@ -376,7 +328,7 @@ class SmgGateway:
         self.prefill = prefill          # worker addresses, host:port
         self.decode = decode
         self.policy = policy
-        self.children = _Children(label)
+        self.children = processes(label)
         self.urls: list[str] = []
 
     def start(self) -> list[str]:
@@ -410,7 +362,7 @@ class SmgGateway:
 
     def pids(self) -> list[int]:
         """The gateway's processes."""
-        return [p.pid for p, _ in self.children.procs]
+        return self.children.pids()
 
     def stop(self) -> None:
         self.children.stop()

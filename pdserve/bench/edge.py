@@ -1,6 +1,6 @@
 """`pdserve bench edge`: many SSE streams through the edge, beside nginx and no proxy.
 
-One token source (`edge_source`: the synthetic engine's gRPC face for the edge,
+One token source (`pdserve.bench.synthetic`: its gRPC face for the edge,
 an OpenAI-shaped HTTP face for the rest) stamps every chunk with its send time
 on CLOCK_MONOTONIC. `streams` concurrent streamed completions of
 `rate × duration` chunks each (starts spread over `ramp` seconds) go, one path
@@ -31,21 +31,18 @@ delivered, the source's for direct; the edge's RSS is its peak, sampled.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import re
-import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from array import array
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .edge_client import PROMPT, raise_nofile
+from .edge_paths import Deployment, nginx_workers
 from .otlp_collector import Collector
 
 # embedded: the edge with the router in its own process (`--router embedded`: no Route call
@@ -53,27 +50,11 @@ from .otlp_collector import Collector
 # per_request: the edge with --decode-calls per-request (a Generate call per stream, where
 # `edge` has the default, one shared batched call to the source's worker past a few)
 PATHS = ("direct", "nginx", "floor", "edge", "embedded", "traced", "per_request")
-NGINX = "/usr/sbin/nginx"
-PROMPT = "hello"
-_TEXT = re.compile(rb'"text":\s*"([^"]*)"')   # a completion chunk's text
 
 
 def progress(msg: str) -> None:
     """A timestamped progress line on stderr (stdout carries the result)."""
     print(f"[bench edge {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def raise_nofile() -> int:
-    """Open-file limit up as far as allowed (root: 131072, else the hard limit); children
-    inherit it. Returns the soft limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    for want in ((1 << 17, max(hard, 1 << 17)), (hard, hard)):
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, want)
-            return want[0]
-        except (ValueError, OSError):
-            continue
-    return soft
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,341 +76,6 @@ class Settings:
     @property
     def max_tokens(self) -> int:
         return max(1, round(self.rate * self.duration))
-
-
-# --- load generator (runs in its own processes: `python -m pdserve.bench.edge client SPEC`) ---
-
-class _Stream(asyncio.Protocol):
-    """One streamed completion over one connection: HTTP/1.1 response head, chunked or
-    close-delimited body, SSE `data:` lines; records each stamp's latency and the stamp
-    itself (µs)."""
-
-    def __init__(self, request: bytes, lat: array, sent: array, done: asyncio.Future):
-        self.request, self.lat, self.sent, self.done = request, lat, sent, done
-        self.transport = None
-        self.buf = bytearray()          # bytes not yet de-chunked
-        self.body = bytearray()         # SSE text not yet split into lines
-        self.head = True
-        self.chunked = False
-        self.eof = False
-        self.status = 0
-        self.tokens = 0
-        self.finished = False           # [DONE] seen
-        self.error = ""
-        self.first = self.last = 0      # µs of the first and last token
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        transport.write(self.request)
-
-    def data_received(self, data: bytes) -> None:
-        now = time.monotonic_ns() // 1000
-        self.buf += data
-        if self.head:
-            i = self.buf.find(b"\r\n\r\n")
-            if i < 0:
-                return
-            lines = bytes(self.buf[:i]).decode("latin-1").split("\r\n")
-            del self.buf[:i + 4]
-            self.head = False
-            try:
-                self.status = int(lines[0].split()[1])
-            except (IndexError, ValueError):
-                return self._end("bad_response")
-            if self.status != 200:
-                return self._end(f"status_{self.status}")
-            self.chunked = any(ln.lower().startswith("transfer-encoding:") and "chunked" in
-                               ln.lower() for ln in lines[1:])
-        if self.chunked:
-            self._dechunk()
-        else:
-            self.body += self.buf
-            self.buf.clear()
-        self._events(now)
-        if self.eof:
-            self._end()
-
-    def _dechunk(self) -> None:
-        buf = self.buf
-        while True:
-            i = buf.find(b"\r\n")
-            if i < 0:
-                return
-            size = int(bytes(buf[:i]).split(b";")[0], 16)
-            if size == 0:
-                self.eof = True
-                buf.clear()
-                return
-            if len(buf) < i + 2 + size + 2:
-                return
-            self.body += buf[i + 2:i + 2 + size]
-            del buf[:i + 2 + size + 2]
-
-    def _events(self, now: int) -> None:
-        body, start = self.body, 0
-        while (j := body.find(b"\n", start)) >= 0:
-            line, start = bytes(body[start:j]), j + 1
-            if not line.startswith(b"data:"):
-                continue                        # id:, retry:, event:, comments, blank lines
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                self.finished = True
-                continue
-            if b'"error"' in payload:
-                self.error = self.error or "error_event"
-            m = _TEXT.search(payload)           # the stamps are digits and spaces: no JSON
-            if m is None:                       # escapes to decode, so no json.loads
-                continue
-            for word in m.group(1).split():
-                if not word.isdigit():
-                    continue
-                d = now - int(word)
-                if not 0 <= d < 600_000_000:
-                    self.error = self.error or "bad_stamp"
-                    continue
-                self.lat.append(d)
-                self.sent.append(int(word))
-                self.tokens += 1
-                self.first = self.first or now
-                self.last = now
-        del body[:start]
-
-    def connection_lost(self, exc) -> None:
-        self._end("" if exc is None else "connection_lost")
-
-    def _end(self, error: str = "") -> None:
-        if self.done.done():
-            return
-        self.error = self.error or error
-        self.done.set_result(None)
-        if self.transport is not None:
-            self.transport.close()
-
-
-async def _drive(spec: dict) -> dict:
-    """This client's share of the streams; a summary, latencies and spans."""
-    loop = asyncio.get_running_loop()
-    body = json.dumps({"model": spec["model"], "prompt": PROMPT, "max_tokens": spec["max_tokens"],
-                       "stream": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {spec['host']}\r\n"
-               f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-               f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
-    ports = spec["ports"]
-    lat, sent, spans, first = ([array("q") for _ in ports] for _ in range(4))
-    errors, held = [Counter() for _ in ports], [0] * len(ports)
-
-    async def one(j: int) -> None:
-        k = (j // spec["of"]) % len(ports)      # this client's streams alternate over ports
-        start = spec["start_at"] + j * spec["ramp"] / spec["streams"]
-        await asyncio.sleep(max(0.0, start - time.monotonic()))
-        done = loop.create_future()
-        s = _Stream(request, lat[k], sent[k], done)
-        opened = time.monotonic_ns() // 1000
-        try:
-            async with asyncio.timeout(start + spec["timeout"] - time.monotonic()):
-                await loop.create_connection(lambda: s, spec["host"], ports[k])
-                await done
-        except TimeoutError:
-            s.error = s.error or "timeout"
-        except OSError as e:
-            s.error = s.error or f"connect_{type(e).__name__}"
-        finally:
-            if s.transport is not None:
-                s.transport.close()
-        if not s.error and not s.finished:
-            s.error = "no_done"
-        if not s.error and s.tokens != spec["max_tokens"]:
-            s.error = "short_stream" if s.tokens < spec["max_tokens"] else "extra_tokens"
-        if s.error:
-            errors[k][s.error] += 1
-        else:
-            held[k] += 1
-        if s.first:
-            spans[k].extend((s.first, s.last))
-            first[k].append(s.first - opened)
-
-    await asyncio.gather(*(one(j) for j in range(spec["index"], spec["streams"], spec["of"])))
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"held": held, "errors": [dict(e) for e in errors],
-            "cpu_s": ru.ru_utime + ru.ru_stime, "lat": lat, "sent": sent, "spans": spans,
-            "first": first}
-
-
-def client_main(spec: dict) -> None:
-    """Entry of one load-generator process: results into spec["out"] (.json, .lat, .sent,
-    .spans, .first)."""
-    import uvloop
-    raise_nofile()
-    res = uvloop.run(_drive(spec))
-    out = Path(spec["out"])
-    for key in ("lat", "sent", "spans", "first"):
-        for k, values in enumerate(res.pop(key)):
-            out.with_suffix(f".{key}{k}").write_bytes(values.tobytes())
-    out.with_suffix(".json").write_text(json.dumps(res))
-
-
-# --- the processes under test ---
-
-class _Deployment:
-    """The source, nginx and the edge stack, each started when asked, all stopped by stop()."""
-
-    def __init__(self, model: str, rate: float, tmp: Path):
-        from .deployments import _Children
-        self.model, self.rate, self.tmp = model, rate, tmp
-        self._children = _Children
-        self.source = self.nginx = self.floor = None
-        self.edges: dict[str, tuple] = {}       # path name -> (router, edge) processes
-        self.ports: dict[str, int] = {}
-
-    def start_source(self) -> None:
-        from .deployments import free_port
-        self.ports |= {"grpc": free_port(), "http": free_port()}
-        self.source = self._children("edge-source")
-        self.source.start([sys.executable, "-m", "pdserve.bench.edge_source", "--model",
-                           self.model, "--grpc-port", str(self.ports["grpc"]), "--http-port",
-                           str(self.ports["http"]), "--rate", str(self.rate)], {})
-        self.source.wait_healthy([f"http://127.0.0.1:{self.ports['http']}/health"])
-
-    def start_nginx(self, nofile: int, workers: int) -> None:
-        from .deployments import free_port
-        port = self.ports["nginx"] = free_port()
-        prefix = self.tmp / "nginx"
-        prefix.mkdir(exist_ok=True)
-        conf = prefix / "nginx.conf"
-        conf.write_text(nginx_conf(prefix, port, self.ports["http"], nofile, workers))
-        self.nginx = self._children("edge-nginx")
-        self.nginx.start([NGINX, "-p", str(prefix), "-c", str(conf), "-e",
-                          str(prefix / "error.log"), "-g", "daemon off;"], {})
-        self.nginx.wait_healthy([f"http://127.0.0.1:{port}/health"])
-
-    def start_floor(self) -> None:
-        from .deployments import free_port
-        port = self.ports["floor"] = free_port()
-        self.floor = self._children("edge-floor")
-        self.floor.start([sys.executable, "-m", "pdserve.bench.edge_floor", "--model", self.model,
-                          "--port", str(port), "--decode-worker",
-                          f"127.0.0.1:{self.ports['grpc']}"], {})
-        self.floor.wait_healthy([f"http://127.0.0.1:{port}/health"])
-
-    def start_edge(self, name: str, env: dict | None = None, flags: tuple = (),
-                   embedded: bool = False) -> None:
-        """A router and an edge (with `flags`) for path `name` (its port: ports[name]);
-        `embedded`: the router runs in the edge's process."""
-        from .deployments import free_port
-        port, router_port, grpc_port = free_port(), free_port(), free_port()
-        self.ports[name] = port
-        cli = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING"]
-        source = f"127.0.0.1:{self.ports['grpc']}"
-        edge = self._children(f"{name}-edge")
-        if embedded:
-            self.edges[name] = (None, edge)
-            flags = ("--router", "embedded", "--router-port", str(router_port),
-                     "--decode-worker", source, *flags)
-        else:
-            router = self._children(f"{name}-router")
-            self.edges[name] = (router, edge)
-            router.start([*cli, "router", "--port", str(router_port), "--decode-worker", source],
-                         env or {})
-            flags = ("--router", f"127.0.0.1:{router_port}", *flags)
-        edge.start([*cli, "edge", "--port", str(port), "--grpc-port", str(grpc_port),
-                    "--model", self.model, "--min-prefill-workers", "0", *flags], env or {})
-        edge.wait_healthy([f"http://127.0.0.1:{port}/health"])
-
-    @staticmethod
-    def pids(children) -> list[int]:
-        """A started process and its descendants (nginx: master and workers)."""
-        import psutil
-        out = []
-        for p, _ in children.procs:
-            try:
-                out += [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
-    def log_summary(self, name: str, lines: int = 40) -> str:
-        """What a path's processes logged (nginx: its error log), each message once with
-        its count, timestamps and numbers aside, in order of first appearance."""
-        if name == "nginx":
-            logs = [self.tmp / "nginx" / "error.log"]
-        else:
-            procs = ([self.source] if name == "direct" else [self.floor] if name == "floor"
-                     else list(self.edges.get(name, ())))
-            logs = [log for c in procs if c for _, log in c.procs]
-        seen: Counter = Counter()
-        for log in logs:
-            if log.exists():
-                for line in log.read_text(errors="replace").splitlines():
-                    seen[re.sub(r"[0-9]+", "N", line)] += 1
-        return "\n".join(f"{n:>7} x {msg[:300]}" for msg, n in list(seen.items())[:lines])
-
-    def stop_nginx(self) -> None:
-        if self.nginx:
-            self.nginx.stop()
-            self.nginx = None
-
-    def stop_floor(self) -> None:
-        if self.floor:
-            self.floor.stop()
-            self.floor = None
-
-    def stop_edge(self, name: str) -> None:
-        for c in self.edges.pop(name, ()):
-            if c is not None:
-                c.stop()
-
-    def stop(self) -> None:
-        for name in list(self.edges):
-            self.stop_edge(name)
-        self.stop_nginx()
-        self.stop_floor()
-        if self.source:
-            self.source.stop()
-            self.source = None
-
-
-def nginx_workers(streams: int, nofile: int) -> int:
-    """nginx's workers: one, unless its open-file limit cannot hold two sockets per stream
-    (a worker's limit is the process's; without CAP_SYS_RESOURCE it cannot go past the hard
-    limit), then as few as can."""
-    return max(1, -(-(2 * streams + 128) // max(1024, nofile - 64)))
-
-
-def nginx_conf(prefix: Path, port: int, upstream: int, nofile: int, workers: int = 1) -> str:
-    """`workers` workers (the kernel spreads connections: `reuseport`) proxying to the
-    source on loopback, unbuffered, HTTP/1.1 upstream; every path nginx writes lies under
-    `prefix`."""
-    temps = "\n".join(f"    {k}_temp_path {prefix / k};"
-                      for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return f"""worker_processes {workers};
-worker_rlimit_nofile {nofile};
-pid {prefix / 'nginx.pid'};
-error_log {prefix / 'error.log'} warn;
-events {{
-    worker_connections {max(1024, nofile - 64)};
-    multi_accept on;
-}}
-http {{
-    access_log off;
-{temps}
-    upstream source {{
-        server 127.0.0.1:{upstream};
-        keepalive 256;
-    }}
-    server {{
-        listen 127.0.0.1:{port} backlog=4096 reuseport;
-        location / {{
-            proxy_pass http://source;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_request_buffering off;
-            proxy_read_timeout 3600s;
-            proxy_send_timeout 3600s;
-        }}
-    }}
-}}
-"""
 
 
 # --- measuring one path ---
@@ -466,6 +112,8 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
     per group, then the whole machine's busy CPU s]))."""
     import numpy as np
     import psutil
+    from pdserve.launch import Child
+
     from .deployments import cpu_seconds
     start_at = time.monotonic() + 1.0           # after the clients' own start-up (~0.2 s)
     base = {"host": "127.0.0.1", "ports": ports, "model": model, "max_tokens": st.max_tokens,
@@ -477,11 +125,11 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
     try:
         for i in range(st.clients):
             spec = dict(base, index=i, out=str(tmp / f"client{i}"))
-            procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.bench.edge", "client",
-                                           json.dumps(spec)], start_new_session=True))
+            procs.append(Child([sys.executable, "-m", "pdserve.bench.edge_client",
+                                json.dumps(spec)], name=f"client{i}"))
         last_note = time.monotonic()
         samples = []
-        while any(p.poll() is None for p in procs):
+        while any(p.running() for p in procs):
             peak = [max(p, _rss_mib(w)) for p, w in zip(peak, watch)]
             box = psutil.cpu_times()
             samples.append((time.monotonic(), [cpu_seconds(g) for g in cpu_watch]
@@ -493,14 +141,13 @@ def _run_clients(st: Settings, ports: list[int], model: str, tmp: Path, watch: l
         wall = time.monotonic() - t0
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+            p.kill_session()
+            p.popen.wait()
     results: list[list[dict]] = [[] for _ in ports]
     for i, p in enumerate(procs):
         out = tmp / f"client{i}"
-        if p.returncode != 0 or not out.with_suffix(".json").exists():
-            raise RuntimeError(f"load client {i} failed (exit {p.returncode})")
+        if p.popen.returncode != 0 or not out.with_suffix(".json").exists():
+            raise RuntimeError(f"load client {i} failed (exit {p.popen.returncode})")
         r = json.loads(out.with_suffix(".json").read_text())
         for k in range(len(ports)):
             results[k].append({
@@ -673,7 +320,7 @@ def targets(result: dict) -> dict:
     return out
 
 
-def _note_errors(dep: _Deployment, name: str, section: dict) -> None:
+def _note_errors(dep: Deployment, name: str, section: dict) -> None:
     """On errors, what the path's processes logged goes to stderr (their logs are deleted)."""
     if section["errors"]:
         progress(f"{name}: {section['errors']} errors; its log:\n{dep.log_summary(name)}")
@@ -685,12 +332,12 @@ def bench_edge(st: Settings, paths: list[str], model: str, together: bool = Fals
     (each gets half), so both see the same machine."""
     nofile = raise_nofile()
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-edge-"))
-    dep = _Deployment(model, st.rate, tmp)
+    dep = Deployment(model, st.rate, tmp)
     sections: dict[str, dict] = {}
     try:
         progress("starting the source")
         dep.start_source()
-        source = _Deployment.pids(dep.source)
+        source = Deployment.pids(dep.source)
         source_url = f"http://127.0.0.1:{dep.ports['http']}/health"
         for name in PATHS:
             if name not in paths:
@@ -705,14 +352,14 @@ def bench_edge(st: Settings, paths: list[str], model: str, together: bool = Fals
                 progress("starting nginx")
                 dep.start_nginx(nofile, nginx_workers(st.streams, nofile))
                 sections[name] = measure(name, st, dep.ports["nginx"], model, tmp,
-                                         _Deployment.pids(dep.nginx), source, source_url)
+                                         Deployment.pids(dep.nginx), source, source_url)
                 _note_errors(dep, name, sections[name])
                 dep.stop_nginx()
             elif name == "floor":
                 progress("starting the floor relay")
                 dep.start_floor()
                 sections[name] = measure(name, st, dep.ports["floor"], model, tmp,
-                                         _Deployment.pids(dep.floor), source, source_url)
+                                         Deployment.pids(dep.floor), source, source_url)
                 _note_errors(dep, name, sections[name])
                 dep.stop_floor()
             elif name not in sections:
@@ -736,7 +383,7 @@ def bench_edge(st: Settings, paths: list[str], model: str, together: bool = Fals
     return result
 
 
-def _measure_edges(dep: _Deployment, names: list[str], st: Settings, model: str, tmp: Path,
+def _measure_edges(dep: Deployment, names: list[str], st: Settings, model: str, tmp: Path,
                    source: list[int], source_url: str) -> dict[str, dict]:
     """Start a router + edge per path (`traced`: tracing on, to a collector here),
     measure them at once, stop them (which flushes the last spans)."""
@@ -748,7 +395,7 @@ def _measure_edges(dep: _Deployment, names: list[str], st: Settings, model: str,
             dep.start_edge(name, _tracing_env(collector) if name == "traced" else None,
                            ("--decode-calls", "per-request") if name == "per_request" else (),
                            embedded=name == "embedded")
-        out = measure_together({n: (dep.ports[n], _Deployment.pids(dep.edges[n][1]))
+        out = measure_together({n: (dep.ports[n], Deployment.pids(dep.edges[n][1]))
                                 for n in names}, st, model, tmp, source, source_url)
         for name in names:
             _note_errors(dep, name, out[name])
@@ -796,10 +443,3 @@ def table(result: dict) -> str:
         lines.append(f"tracing on vs off: {result['tracing']}")
     lines += [f"  target {k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["client"]:
-        client_main(json.loads(sys.argv[2]))
-    else:
-        sys.exit("usage: python -m pdserve.bench.edge client SPEC (see `pdserve bench edge`)")

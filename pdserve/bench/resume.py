@@ -27,7 +27,8 @@ import time
 
 import aiohttp
 
-from pdserve.bench.deployments import Hardware, PdserveStack, _Children, free_port
+from pdserve.bench.deployments import Hardware, PdserveStack, free_port, processes
+from pdserve.launch import Group
 
 PROMPTS = [f"Write a few sentences about {topic}." for topic in (
     "rivers", "bread", "trains", "winter", "clocks", "gardens", "the sea", "paper")]
@@ -125,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _start(stack: PdserveStack, children: _Children, redis: int) -> tuple[str, str]:
+def _start(stack: PdserveStack, children: Group, redis: int) -> tuple[str, str]:
     """redis-server, `pdserve up` on it, and a second edge: the two edges' URLs."""
     children.start(["redis-server", "--port", str(redis), "--bind", "127.0.0.1", "--save", "",
                     "--appendonly", "no"], {})
@@ -159,7 +160,7 @@ def main(argv: list[str]) -> int:
     hw = Hardware(device="cpu", units=tuple(sorted(os.sched_getaffinity(0))))
     stack = PdserveStack("resume", model, 0, hw,
                          placement=("--stream-store", f"redis://127.0.0.1:{redis}"))
-    children = _Children("resume-extra")
+    children = processes("resume-extra")
     try:
         edge_a, edge_b = _start(stack, children, redis)
         result = asyncio.run(run_trials(edge_a, edge_b, model, a.trials, a.concurrency,

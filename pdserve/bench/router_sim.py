@@ -257,30 +257,13 @@ def simulate(cfg: SimConfig, trace: list[Turn], policy: str) -> tuple[dict, Pdse
     for turn in trace:
         now = turn.at
         while events and events[0][0] <= now:
-            at, kind, name = events.pop(0)
-            if kind == "leave":
-                crossing.update({s: w for s, w in last.items() if s not in crossing})
-                if router:
-                    router.leave(workers[name])
-                del workers[name]
-            else:
-                workers[name] = SimWorker(name, cfg.cache_blocks)
-                if router:
-                    router.join(workers[name])
-            for window in (int(at // 10), int(at // 10) + 1):     # a leaver's last requests
-                busy[window]["changed"] = 0.0
+            _membership(events.pop(0), cfg, workers, router, last, crossing, busy)
         tokens = turn.prompt + turn.out
         points = salt_points(turn.salt, cfg.block_size)
         keys = salted_block_keys(turn.prompt, cfg.block_size, *points)
         all_keys = salted_block_keys(tokens, cfg.block_size, *points)
-        if router:
-            salted = dict(plan(turn.salt).folds(cfg.block_size))
-            for i, k in enumerate(all_keys):
-                router.tokens[k] = (tokens[i * cfg.block_size:(i + 1) * cfg.block_size],
-                                    salted.get(i, ""))
-            name = router.choose(turn, workers, now)
-        else:
-            name = baseline(turn, keys, workers, now)
+        name = (_pdserve_choice(cfg, router, turn, tokens, all_keys, workers, now) if router
+                else baseline(turn, keys, workers, now))
         w = workers[name]
         held = w.hit_blocks(keys)
         cached = min(len(turn.prompt), held * cfg.block_size)
@@ -291,12 +274,7 @@ def simulate(cfg: SimConfig, trace: list[Turn], policy: str) -> tuple[dict, Pdse
                     + len(turn.out) * cfg.decode_s_per_token)
         w.serve(now, all_keys, duration, router.events if router else lambda *a: None)
         share[(int(now // 10), name)] += 1
-        for window in range(int(now // 10), int((now + duration) // 10) + 1):
-            lo, hi = max(now, window * 10), min(now + duration, (window + 1) * 10)
-            seconds = busy[window]
-            for n in workers:
-                seconds.setdefault(n, 0.0)
-            seconds[name] += max(0.0, hi - lo)
+        _count_busy(busy, workers, name, now, duration)
         if turn.session in crossing:            # its first turn after a worker left
             crossed += 1
             before = crossing.pop(turn.session)
@@ -315,6 +293,45 @@ def simulate(cfg: SimConfig, trace: list[Turn], policy: str) -> tuple[dict, Pdse
             **({"hit_rate_by_tenant": {t: round(h / n, 4) for t, (h, n) in
                                        sorted(by_tenant.items())}} if cfg.tenants > 1 else {})
             }, router
+
+
+def _pdserve_choice(cfg: SimConfig, router: Pdserve, turn: Turn, tokens: list[int],
+                    all_keys: list[int], workers: dict, now: float) -> str:
+    """pdserve's router places `turn`, knowing each block's tokens and salt (as the
+    workers' KV events would tell it)."""
+    salted = dict(plan(turn.salt).folds(cfg.block_size))
+    for i, k in enumerate(all_keys):
+        router.tokens[k] = (tokens[i * cfg.block_size:(i + 1) * cfg.block_size],
+                            salted.get(i, ""))
+    return router.choose(turn, workers, now)
+
+
+def _membership(event: tuple, cfg: SimConfig, workers: dict, router, last: dict,
+                crossing: dict, busy: dict) -> None:
+    """A worker joins or leaves: the sessions active then are marked as crossing it, and
+    the 10 s windows around it leave the load figures."""
+    at, kind, name = event
+    if kind == "leave":
+        crossing.update({s: w for s, w in last.items() if s not in crossing})
+        if router:
+            router.leave(workers[name])
+        del workers[name]
+    else:
+        workers[name] = SimWorker(name, cfg.cache_blocks)
+        if router:
+            router.join(workers[name])
+    for window in (int(at // 10), int(at // 10) + 1):     # a leaver's last requests
+        busy[window]["changed"] = 0.0
+
+
+def _count_busy(busy: dict, workers: dict, name: str, now: float, duration: float) -> None:
+    """Add `name`'s `duration` from `now` on to the busy seconds of each 10 s window."""
+    for window in range(int(now // 10), int((now + duration) // 10) + 1):
+        lo, hi = max(now, window * 10), min(now + duration, (window + 1) * 10)
+        seconds = busy[window]
+        for n in workers:
+            seconds.setdefault(n, 0.0)
+        seconds[name] += max(0.0, hi - lo)
 
 
 def _last_start(trace: list[Turn]) -> float:

@@ -50,7 +50,7 @@ one engine when its KV cache runs out (recompute preemption); this does it
 across the pool, for fairness. A request is preempted at most PREEMPT_LIMIT
 times; one tenant alone, or tenants that have used the pool alike, never are.
 Because slots can be taken back, a tenant past its share may also take the
-slots another is owed once that tenant could preempt it (`_past_share`): the
+slots another is owed once that tenant could preempt it (`Shares.past_share`): the
 pool stays full instead of holding the light tenant's unused share idle, and
 the light tenant's next request takes its slot back. A request is preemptible
 once its stream has a decode leg placed (`Ticket.running` wakes the queue
@@ -72,66 +72,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pdserve.config import EdgeConfig
 
 from .keys import APIKey
 from .openai_protocol import APIError
+from .shares import CREDIT, Shares
+from .ticket import Ticket
 
 log = logging.getLogger("pdserve.edge")
 
 KV_FULL = 0.95                      # an engine this full takes nothing more
-ACTIVE_SECONDS = 5.0                # a tenant that asked this recently shares the pool
 HOLD_WEIGHT = 0.1                   # how much the last request's hold time moves the mean
 HOLD_MARGIN = 4.0                   # deviations of the hold time added to an expected wait
                                     # (as TCP's retransmit timeout adds 4 to its round trip)
-USE_SECONDS = ACTIVE_SECONDS        # time constant of a tenant's mean use of the pool
-CREDIT = 0.25                       # slots below its share, on average, a tenant must be to
-                                    # go past its share (a moment below it earns nothing)
 PREEMPT_LIMIT = 4                   # times one request may give its slot up to another tenant
 MARGIN = CREDIT / 2                 # slots more, on average, a tenant must have used than
                                     # another for it to be preempted for it (hysteresis)
-
-
-@dataclass(slots=True)
-class Ticket:
-    """One admitted request's hold on the pool; `release()` once it ends."""
-
-    admission: "Admission"
-    tenant: str
-    priority: int
-    slot: int                       # its slot in Admission._slots; -1 while preempted
-    waited: float                   # seconds in the queue
-    released: bool = False
-    # Set by the generation that holds it (admitted.py): asked to give the slot up, its
-    # stream stops its engine request and answers True (False: it cannot now, e.g. it
-    # is ending). Only a held slot is taken back (`slot` >= 0).
-    on_preempt: Callable[[], bool] | None = None
-    preempted: int = 0              # times it gave its slot up
-
-    def release(self) -> None:
-        self.on_preempt = None                  # admission lets go of the stream
-        if not self.released:
-            self.released = True
-            if self.slot >= 0:
-                self.admission._released(self.tenant, self.slot)
-
-    def running(self) -> None:
-        """Its stream has a leg running (so it can give the slot up now): a request
-        waiting for one may take it (`Admission._preempt`)."""
-        if self.admission.queued and self.slot >= 0:
-            self.admission._dispatch()
-
-    async def resume(self) -> None:
-        """After a preemption: wait for a slot again, first in its tenant's line and
-        never refused (the request was accepted); the caller bounds the wait by the
-        request's deadline."""
-        await self.admission._resume(self)
 
 
 @dataclass(slots=True)
@@ -170,10 +130,7 @@ class Admission:
         self.capacity: float = float("inf")     # until the first reading
         self.in_flight = 0                       # tickets not yet released
         self.elsewhere = 0                       # other edges' admitted, as last reported
-        self._holding: dict[str, int] = {}       # tenant -> its tickets not yet released
-        # tenant -> (mean slots held, as of when, active since when)
-        self._use: dict[str, tuple[float, float, float]] = {}
-        self._seen: dict[str, float] = {}        # tenant -> when it last asked
+        self.shares = Shares()
         self.draining = False
         self.queued = 0
         self.hold: float | None = None            # mean seconds a ticket is held (recent)
@@ -234,8 +191,8 @@ class Admission:
                           min(len(line), mine + 1) if other == used else 0)
         ahead += mine
         ends = ahead + 1 - max(0, int(self.room))         # slots that must free first
-        capped = (owed and self._holding.get(key.tenant, 0) + mine >= share
-                  and not self._past_share(key.tenant, share, now))
+        capped = (owed and self.shares.holding.get(key.tenant, 0) + mine >= share
+                  and not self.shares.past_share(key.tenant, share, now))
         slots = [taken for taken, tenant in self._slots.values()
                  if not capped or tenant == key.tenant]
         if capped:
@@ -256,17 +213,14 @@ class Admission:
         self._tickets.pop(slot, None)
         if held and taken is not None:
             self._held(time.monotonic() - taken[0])
-        self._touch(tenant)
+        self.shares.freed(tenant)
         self.in_flight -= 1
-        self._holding[tenant] -= 1
-        if not self._holding[tenant] and tenant not in self._seen:
-            self._use.pop(tenant, None)         # gone quiet while it held slots
 
     def _may_take(self, tenant: str, fair: tuple[float, float] | None = None) -> bool:
         """Room for `tenant`. Each tenant active now (it asked in the last
         ACTIVE_SECONDS) is guaranteed its share of the pool: below it, a tenant
         takes any free slot; at or above it, only slots that no other active
-        tenant is still owed, unless it may go past its share (`_past_share`).
+        tenant is still owed, unless it may go past its share (`Shares.past_share`).
         So a tenant that keeps the pool full leaves the others' unused shares
         free for their next requests instead of making them wait for one to end
         (the price: those slots may idle while their tenant is quiet), until
@@ -276,78 +230,26 @@ class Admission:
             return False
         share, owed = fair or self._fair()
         # At or past its share, a tenant is owed nothing itself: all of `owed` is others'.
-        return (self._holding.get(tenant, 0) < share or self.room - owed >= 1
-                or self._past_share(tenant, share, time.monotonic()))
-
-    def _past_share(self, tenant: str, share: float, now: float) -> bool:
-        """`tenant` may take a slot another active tenant is owed: it is credited, or
-        every tenant still owed its share could take the slot back (`_victim`: it has
-        used the pool CREDIT slots less than `tenant`). Then a burst keeps the pool
-        full instead of leaving the others' shares idle, and their next requests
-        preempt it."""
-        if self._credited(tenant, share, now):
-            return True
-        used = self.use(tenant, now) - CREDIT
-        return all(self.use(t, now) <= used for t in self._seen
-                   if t != tenant and self._holding.get(t, 0) < share)
+        return (self.shares.holding.get(tenant, 0) < share or self.room - owed >= 1
+                or self.shares.past_share(tenant, share, time.monotonic()))
 
     def use(self, tenant: str, now: float) -> float:
-        """`tenant`'s slots held, averaged exponentially over USE_SECONDS (0 before its
-        first slot; see `_touch` for where it starts)."""
-        record = self._use.get(tenant)
-        if record is None:
-            return 0.0
-        mean, at, _ = record
-        held = self._holding.get(tenant, 0)
-        return held + (mean - held) * math.exp((at - now) / USE_SECONDS)
-
-    def _credited(self, tenant: str, share: float, now: float) -> bool:
-        """`tenant` has used at least CREDIT slots less than its share on average, over
-        at least USE_SECONDS: it may go past its share for a peak."""
-        record = self._use.get(tenant)
-        return (record is not None and now - record[2] >= USE_SECONDS
-                and self.use(tenant, now) <= share - CREDIT)
-
-    def _touch(self, tenant: str) -> None:
-        """Bring `tenant`'s mean up to now; called before its holdings change (they are
-        constant in between, so the mean is exact). A tenant's first slot starts its
-        mean at the least any other active tenant has used (as start-time fair queueing
-        starts a new flow at the current virtual time): a newcomer does not go before
-        the others for a while merely because it has no history."""
-        now = time.monotonic()
-        if tenant in self._use:
-            mean, since = self.use(tenant, now), self._use[tenant][2]
-        else:
-            mean = min((self.use(t, now) for t in self._use if t in self._seen), default=0.0)
-            since = now
-        self._use[tenant] = (mean, now, since)
+        """`tenant`'s slots held, on average (Shares.use)."""
+        return self.shares.use(tenant, now)
 
     def _fair(self) -> tuple[float, float]:
-        """(Each active tenant's share of the pool, the slots the active tenants are
-        still owed of theirs, in all)."""
-        now = time.monotonic()
-        for t in [t for t, at in self._seen.items() if now - at > ACTIVE_SECONDS]:
-            del self._seen[t]
-            if not self._holding.get(t):
-                self._use.pop(t, None)          # back later: it starts anew, no credit
-        pool = max(0.0, self.capacity - self.elsewhere)     # this edge's part of it now
-        if len(self._seen) <= 1:
-            return pool, 0.0
-        share = pool / len(self._seen)
-        return share, sum(max(0.0, share - self._holding.get(t, 0)) for t in self._seen)
+        """(Each active tenant's share of this edge's part of the pool now, the slots
+        the active tenants are still owed of theirs, in all)."""
+        return self.shares.fair(max(0.0, self.capacity - self.elsewhere))
 
     def _share(self, tenant: str) -> tuple[float, float]:
         """(`tenant`'s share of the pool, the slots the other active tenants are still
         owed of theirs)."""
-        share, owed = self._fair()
-        if owed and tenant in self._seen:
-            owed = max(0.0, owed - max(0.0, share - self._holding.get(tenant, 0)))
-        return share, owed
+        return self.shares.share_of(tenant, max(0.0, self.capacity - self.elsewhere))
 
     def _take(self, tenant: str) -> int:
-        self._touch(tenant)
+        self.shares.took(tenant)
         self.in_flight += 1
-        self._holding[tenant] = self._holding.get(tenant, 0) + 1
         slot = next(self._slot_ids)
         self._slots[slot] = (time.monotonic(), tenant)
         return slot
@@ -359,7 +261,7 @@ class Admission:
         if self.draining:
             self._reject("draining", "the server is shutting down; retry on another "
                          "replica")
-        self._seen[key.tenant] = time.monotonic()
+        self.shares.asked(key.tenant)
         if not self.queued and self._may_take(key.tenant):
             return self._ticket(key, self._take(key.tenant), 0.0)
         expected = self.expected_wait(key)
@@ -455,7 +357,7 @@ class Admission:
         newest preemptible request of a tenant in its class or below that has used
         the pool more than the waiting tenant, on average, by MARGIN slots or more
         (so two tenants do not take slots back from each other in turn)."""
-        holders = [t for t, n in self._holding.items() if n]
+        holders = self.shares.holders()
         if not self._tickets or holders == [waiting]:
             return None
         share, _ = self._fair()
@@ -464,8 +366,8 @@ class Admission:
                   [(p, t) for p, lines in enumerate(self._lines)
                    for _, t in sorted((self.use(t, now), t) for t in lines)])
         for p, tenant in asking:
-            if holders == [tenant] or not (self._holding.get(tenant, 0) < share
-                                           or self._credited(tenant, share, now)):
+            if holders == [tenant] or not (self.shares.holding.get(tenant, 0) < share
+                                           or self.shares.credited(tenant, share, now)):
                 continue
             used = self.use(tenant, now)
             heavy = {t for t in holders if t != tenant and self.use(t, now) >= used + MARGIN}

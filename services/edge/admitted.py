@@ -19,7 +19,8 @@ from typing import AsyncIterator, Callable
 
 from pdserve import genai, telemetry
 
-from .admission import Admission, Ticket
+from .admission import Admission
+from .ticket import Ticket
 from .generation import Generation
 from .generation_stream import GenerationStream
 from .keys import APIKey

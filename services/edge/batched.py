@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import logging
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from pdserve.rpc import call_error, status_code
+from pdserve.rpc import OpenCall, call_error, status_code
 from pdserve.v1 import batched_pb2, batched_pb2_grpc
 
 log = logging.getLogger("pdserve.edge")
@@ -124,22 +123,14 @@ class BatchedLeg:
             self._waiter.set_result(None)
 
 
-class _SharedCall:
-    """One open `BatchedGenerate` call and the legs on it."""
+class _SharedCall(OpenCall):
+    """One open `BatchedGenerate` call and the legs on it (each generation's trace context
+    travels in its own request's metadata)."""
 
     def __init__(self, stub: batched_pb2_grpc.BatchedGenerateStub, on_end):
         self.legs: dict[str, BatchedLeg] = {}
         self.messages = 0                       # read so far
-        self._requests: asyncio.Queue = asyncio.Queue()
-        # The call outlives the request that opened it: it belongs to no request's trace
-        # (each generation's context travels in its own request's metadata).
-        quiet = contextvars.Context()
-        self._call = quiet.run(stub.Generate, self._sent())
-        self._reader = asyncio.get_running_loop().create_task(self._read(on_end), context=quiet)
-
-    async def _sent(self):
-        while (req := await self._requests.get()) is not None:
-            yield req
+        super().__init__(stub.Generate, lambda: self._read(on_end))
 
     def start(self, request: vllm_engine_pb2.GenerateRequest, timeout: float | None,
               metadata) -> BatchedLeg:
@@ -188,12 +179,6 @@ class _SharedCall:
                 # UNAVAILABLE, as a broken per-request call: each generation moves on.
                 leg._ended((grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
                             details))
-
-    async def close(self) -> None:
-        self._requests.put_nowait(None)
-        self._call.cancel()
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
 
 
 class BatchedCalls:

@@ -21,6 +21,14 @@ class EdgeMetrics:
 
     def __init__(self, model: str = "") -> None:
         r = self.registry = CollectorRegistry()
+        self._generation_series(r)
+        self._path_series(r)
+        self._admission_series(r)
+        self._stream_series(r)
+        self._every_series(model)
+
+    def _generation_series(self, r: CollectorRegistry) -> None:
+        """Requests, their latencies and tokens."""
         self.requests = Counter("pdserve:requests", "Requests answered, by endpoint, path and "
                                 "HTTP status",
                                 ["endpoint", "path", "status"], registry=r)
@@ -43,6 +51,9 @@ class EdgeMetrics:
             "decode worker did not compute: pulled from the prefill worker, or held already "
             "in its prefix cache (its vllm:external_prefix_cache_hits counts the pulled part)",
             ["model_name"], registry=r)
+
+    def _path_series(self, r: CollectorRegistry) -> None:
+        """Where requests went: placements, fallbacks, failovers, migrations."""
         self.placements = Counter(
             "pdserve:placements", "Requests by the router's placement reason (remote, short, "
             "cached, no-prefill, prefill-saturated)", ["model_name", "reason"], registry=r)
@@ -62,6 +73,9 @@ class EdgeMetrics:
         self.migration_seconds = Histogram(
             "pdserve:migration_seconds", "From a decode leg's failure to the next leg placed",
             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
+
+    def _admission_series(self, r: CollectorRegistry) -> None:
+        """The admission queue: its length, waits, preemptions and refusals."""
         self.queue_length = Gauge("pdserve:queue_length", "Requests waiting for admission",
                                   registry=r)
         self.admitted_elsewhere = Gauge("pdserve:admitted_elsewhere", "Requests the other "
@@ -76,6 +90,9 @@ class EdgeMetrics:
                                    "again", registry=r)
         self.rejections = Counter("pdserve:rejections", "Requests refused at admission "
                                   "(queue_full, wait, draining)", ["reason"], registry=r)
+
+    def _stream_series(self, r: CollectorRegistry) -> None:
+        """Resumable streams and their readers."""
         self.streams_open = Gauge("pdserve:streams_open", "Generations streaming on this edge",
                                   registry=r)
         self.streams_ended = Counter(
@@ -86,7 +103,6 @@ class EdgeMetrics:
                                       "resumed a stream by its id", ["transport"], registry=r)
         self.streams_cut = Counter("pdserve:streams_cut", "Readers cut off for not reading "
                                    "(they may resume from the log)", ["transport"], registry=r)
-        self._every_series(model)
 
     def _every_series(self, model: str) -> None:
         """Create each labelled series at 0 before its first event, so a rate() over it

@@ -21,13 +21,12 @@ before it, in a rolling upgrade), for a minute at a time.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 
 import grpc
 
 from pdserve import telemetry
-from pdserve.rpc import call_error, status_code
+from pdserve.rpc import OpenCall, call_error, status_code
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("pdserve.edge")
@@ -37,17 +36,12 @@ _NOT_OFFERED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL)
 UNARY_SECONDS = 60.0                # then RouteStream is tried again (the router may be new)
 
 
-class _OpenCall:
+class _OpenCall(OpenCall):
     """One `RouteStream` call and the requests waiting for their answers on it."""
 
     def __init__(self, stub: router_pb2_grpc.RouterStub, on_end):
         self.waiting: dict[str, asyncio.Future] = {}
-        self._requests: asyncio.Queue = asyncio.Queue()
-        # The call outlives the request that opened it: it belongs to no one's trace.
-        quiet = contextvars.Context()
-        self._call = quiet.run(stub.RouteStream, self._sent())
-        self._reader = asyncio.get_running_loop().create_task(self._read(on_end),
-                                                              context=quiet)
+        super().__init__(stub.RouteStream, lambda: self._read(on_end))
 
     async def _sent(self):
         """The requests, those queued since the last message in one (a write each
@@ -97,12 +91,6 @@ class _OpenCall:
                     else:
                         waiter.set_exception(end)
             self.waiting.clear()
-
-    async def close(self) -> None:
-        self._requests.put_nowait(None)
-        self._call.cancel()
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
 
 
 class RouteCalls:

@@ -223,33 +223,46 @@ def py_decide(workers, stores, q: Query):
     # vLLM always computes the last prompt token itself, so at most prompt - 1 is cached.
     cached = min(prompt - 1, held[d] * block)
     uncached = prompt - cached
-    if uncached < p.local_below_tokens:
-        reason = SHORT
-    elif cached >= p.local_cached_fraction * prompt:
-        reason = CACHED
-    else:
-        prefillers = serving(common_pb2.WORKER_ROLE_PREFILL)
-        # Only a load the engine pushes is fresh enough to call a worker full: a polled
-        # one (read every few seconds) plus what was placed since overstates it.
-        free = [e for e in prefillers
-                if not (p.prefill_saturated and e.load_pushed
-                        and load(e) >= p.prefill_saturated)]
-        if not prefillers:
-            reason = NO_PREFILL
-        elif not free:
-            reason = SATURATED
-        else:
-            prefill, reason = free[least_cost(free, matched(free))], REMOTE
+    prefill, reason = _where_to_prefill(
+        p, uncached, cached, prompt,
+        lambda: serving(common_pb2.WORKER_ROLE_PREFILL),
+        lambda free: free[least_cost(free, matched(free))])
     if keys:                    # the placed prompt counts as held there, provisionally
-        for store in stores.values():
-            store.expire(index_now)
-        for worker, start in ((decode, held[d]), (prefill, 0)):
-            if worker is not None:
-                store = stores.get(worker.worker_id)
-                if store is None:
-                    store = stores[worker.worker_id] = KeyStore()
-                store.place(keys, start, index_now + q.ttl)
+        _hold(stores, keys, ((decode, held[d]), (prefill, 0)), index_now, index_now + q.ttl)
     return decode, prefill, cached, reason, uncached, prompt
+
+
+def _where_to_prefill(p, uncached: int, cached: int, prompt: int, prefillers, pick):
+    """(The prefill worker, or None for a prefill on the decode worker; the reason).
+    `prefillers()`: the serving prefill workers (asked only when needed); `pick(free)`:
+    the one of those not saturated to use."""
+    if uncached < p.local_below_tokens:
+        return None, SHORT
+    if cached >= p.local_cached_fraction * prompt:
+        return None, CACHED
+    serving = prefillers()
+    # Only a load the engine pushes is fresh enough to call a worker full: a polled
+    # one (read every few seconds) plus what was placed since overstates it.
+    free = [e for e in serving
+            if not (p.prefill_saturated and e.load_pushed and load(e) >= p.prefill_saturated)]
+    if not serving:
+        return None, NO_PREFILL
+    if not free:
+        return None, SATURATED
+    return pick(free), REMOTE
+
+
+def _hold(stores, keys: list[int], placed, index_now: float, until: float) -> None:
+    """Count `keys` as held from each (worker, first block) of `placed` on (a worker
+    placed without a store gets one) until `until`, once expired entries are gone."""
+    for store in stores.values():
+        store.expire(index_now)
+    for worker, start in placed:
+        if worker is not None:
+            store = stores.get(worker.worker_id)
+            if store is None:
+                store = stores[worker.worker_id] = KeyStore()
+            store.place(keys, start, until)
 
 
 class _NoIndex:

@@ -61,22 +61,8 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     leases = (KVTransferService(engine.llm, cfg.worker_id, cfg.kv.lease_seconds)
               if cfg.role == "prefill" and cfg.kv else None)
     servicer.leases = leases
-    services = [ENGINE_SERVICE, BATCHED_SERVICE] + ([LEASE_SERVICE] if leases else [])
-
-    def add_servicers(server) -> None:
-        add_engine_protocol(servicer, server)
-        # The same Generate, many generations to a call (an edge's --decode-calls batched).
-        add_batched_generate(servicer, server)
-        if leases:
-            add_lease_service(leases, server)
-        # grpcurl and gateways discover the services by reflection, as on `vllm serve --grpc`.
-        reflection.enable_server_reflection(
-            [*services, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-
-    # Health also answers for what the worker can do that is no service of its own.
     continues = continues_prefill(cfg.role, cfg.kv)
-    server = Server(cfg.host, cfg.port, add_servicers,
-                    services + ([CONTINUES_PREFILL] if continues else []))
+    server = _server(cfg, servicer, leases, continues)
     # Default id from the bound port, so that port 0 still gives a stable, unique name.
     worker_id = servicer.worker_id = (
         cfg.worker_id or f"{cfg.role}-{socket.gethostname()}-{server.port}")
@@ -110,6 +96,26 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         engine.shutdown()
     if died:
         raise EngineDied(f"{cfg.role} worker {worker_id}: its engine core died")
+
+
+def _server(cfg: WorkerConfig, servicer: WorkerEngineServicer, leases, continues: bool) -> Server:
+    """The worker's gRPC server: the engine protocol, the same Generate batched, a prefill
+    worker's lease service, health and reflection."""
+    services = [ENGINE_SERVICE, BATCHED_SERVICE] + ([LEASE_SERVICE] if leases else [])
+
+    def add_servicers(server) -> None:
+        add_engine_protocol(servicer, server)
+        # The same Generate, many generations to a call (an edge's --decode-calls batched).
+        add_batched_generate(servicer, server)
+        if leases:
+            add_lease_service(leases, server)
+        # grpcurl and gateways discover the services by reflection, as on `vllm serve --grpc`.
+        reflection.enable_server_reflection(
+            [*services, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+
+    # Health also answers for what the worker can do that is no service of its own.
+    return Server(cfg.host, cfg.port, add_servicers,
+                  services + ([CONTINUES_PREFILL] if continues else []))
 
 
 def serve_metrics(cfg: WorkerConfig, worker_id: str) -> None:

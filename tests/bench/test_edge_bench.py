@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pdserve.bench.edge import NGINX, PATHS, _peak_concurrency, nginx_conf, nginx_workers
+from pdserve.bench.edge import PATHS, _peak_concurrency
+from pdserve.bench.edge_paths import NGINX, nginx_conf, nginx_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "PDSERVE_BENCH_EDGE_TAG"

@@ -19,7 +19,7 @@ import pytest
 from cases import CASES
 from parity import CASES as PARITY
 from pdserve.bench.otlp_collector import Collector
-from support import Proc, alive, free_port, free_port_run, pdserve_cmd, wait_http
+from support import Proc, alive, free_port, free_port_run, up_cmd, wait_http
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
@@ -116,27 +116,22 @@ def stack(model_dir, reference) -> Stack:
     # leave in batches every 200 ms, so a test sees a request's trace soon after it.
     tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.http_endpoint,
                "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    proc = Proc(pdserve_cmd("up", "--port", str(ports["edge"]), "--grpc-port", str(ports["grpc"]),
-                            "--router-port",
-                            str(ports["router"]), "--prefill-port", str(ports["prefill"]),
-                            "--decode-port", str(ports["decode"]),
-                            "--kv-port", str(free_port_run(2)), "--model", str(model_dir),
-                            "--worker-metrics-port", str(metrics),
-                            "--router-metrics-port", str(ports["router_metrics"]),
-                            # Equality tests repeat prompts, and send 8 at once: keep them
-                            # on the P/D path even when the decode worker holds them or the
-                            # prefill worker is busy (placement has tests of its own).
-                            "--local-cached-fraction", "1", "--prefill-saturated", "0",
-                            # Batched decode calls (the default, named here because
-                            # tests/e2e/test_batched_decode.py checks them on this stack).
-                            "--decode-calls", "batched",
-                            # A client that drops keeps its generation for this long in
-                            # case it resumes (5 s by default). 1 s, so that the
-                            # disconnect test sees the abort well before its long
-                            # generation ends: 1,500 tokens take about 4 s here.
-                            "--stream-resume-seconds", "1",
-                            # As the reference reads tool calls (its template has none).
-                            "--tool-call-parser", "hermes"),
+    proc = Proc(up_cmd(ports, model_dir, free_port_run(2), metrics,
+                       "--router-metrics-port", str(ports["router_metrics"]),
+                       # Equality tests repeat prompts, and send 8 at once: keep them
+                       # on the P/D path even when the decode worker holds them or the
+                       # prefill worker is busy (placement has tests of its own).
+                       "--local-cached-fraction", "1", "--prefill-saturated", "0",
+                       # Batched decode calls (the default, named here because
+                       # tests/e2e/test_batched_decode.py checks them on this stack).
+                       "--decode-calls", "batched",
+                       # A client that drops keeps its generation for this long in
+                       # case it resumes (5 s by default). 1 s, so that the
+                       # disconnect test sees the abort well before its long
+                       # generation ends: 1,500 tokens take about 4 s here.
+                       "--stream-resume-seconds", "1",
+                       # As the reference reads tool calls (its template has none).
+                       "--tool-call-parser", "hermes"),
                 env=tracing, name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",

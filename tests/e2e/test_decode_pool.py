@@ -36,7 +36,7 @@ import pytest
 from cases import CASES
 from pdserve.bench import chaos
 from pdserve.bench.chat_turn import chat_turn
-from support import Proc, free_port, free_port_run, metric_sum, pdserve_cmd
+from support import Proc, free_port, free_port_run, metric_sum, up_cmd
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +44,8 @@ def pool(model_dir, reference):
     ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill")}
     ports["decode"] = free_port_run(2)
     metrics = free_port_run(3)
-    proc = Proc(pdserve_cmd("up", "--decode-workers", "2", "--port", str(ports["edge"]),
-                            "--grpc-port", str(ports["grpc"]), "--router-in-edge",
-                            "--router-port", str(ports["router"]),
-                            "--prefill-port", str(ports["prefill"]), "--decode-port",
-                            str(ports["decode"]),
-                            "--kv-port", str(free_port_run(3)), "--model", str(model_dir),
-                            "--worker-metrics-port", str(metrics), *chaos.EDGE_FLAGS),
-                name="pdserve-pool")
+    proc = Proc(up_cmd(ports, model_dir, free_port_run(3), metrics, "--decode-workers", "2",
+                       "--router-in-edge", *chaos.EDGE_FLAGS), name="pdserve-pool")
     try:
         proc.wait_for("pdserve ready", timeout=400)
         yield {"url": f"http://127.0.0.1:{ports['edge']}", "model": str(model_dir),

@@ -16,7 +16,7 @@ import pytest
 from cases import CASES, MAX_TOKENS
 from pdserve.tiny_model import long_context_copy
 from support import (Proc, free_port, free_port_run, ipv6_loopback, metric_sum, parse_sse,
-                     pdserve_cmd)
+                     up_cmd)
 from pdserve.bench.pull_vs_push import make_prompts, measure
 
 
@@ -25,15 +25,10 @@ def push(model_dir, reference):
     ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode")}
     metrics, kv = free_port_run(2), free_port_run(2)
     host, loop = ("::", "[::1]") if ipv6_loopback() else ("127.0.0.1", "127.0.0.1")
-    proc = Proc(pdserve_cmd("up", "--host", host,
-                            "--kv-transfer-mode", "push", "--port", str(ports["edge"]),
-                            "--grpc-port", str(ports["grpc"]), "--router-port", str(ports["router"]),
-                            "--prefill-port", str(ports["prefill"]),
-                            "--decode-port", str(ports["decode"]),
-                            "--kv-port", str(kv), "--model", str(model_dir),
-                            "--worker-metrics-port", str(metrics),
-                            # Every case on the P/D path (as the pull stack's equality tests).
-                            "--local-cached-fraction", "1", "--prefill-saturated", "0"),
+    proc = Proc(up_cmd(ports, model_dir, kv, metrics, "--host", host,
+                       "--kv-transfer-mode", "push",
+                       # Every case on the P/D path (as the pull stack's equality tests).
+                       "--local-cached-fraction", "1", "--prefill-saturated", "0"),
                 name="pdserve-push")
     try:
         proc.wait_for("pdserve ready", timeout=400)

@@ -165,7 +165,7 @@ async def test_a_light_tenants_peak_takes_a_slot_back_from_a_heavy_tenant(monkey
     assert len(hooks[1]) == 1 and hooks[0] == [] and burst[1].slot == -1
     assert burst[1].preempted == 1
     assert adm.metrics.preemptions._value.get() == 1
-    assert adm.in_flight == 4 and adm._holding == {"steady": 3, "burst": 1}
+    assert adm.in_flight == 4 and adm.shares.holding == {"steady": 3, "burst": 1}
     # The preempted request waits first in its tenant's line, ahead of a newer one.
     resumed = asyncio.create_task(burst[1].resume())
     queued_burst = asyncio.create_task(adm.admit(key("burst")))
@@ -279,11 +279,11 @@ async def test_a_tenant_owed_its_share_preempts_and_the_preempted_stream_goes_on
     both while light is quiet; light's request takes one back at once, and heavy's
     preempted stream pauses, is admitted again and ends with every token, its new leg
     asking for the rest only."""
-    import pdserve.services.edge.admission as admission
+    import pdserve.services.edge.shares as shares
     # Use averaged over 0.05 s, not 5: heavy is heavy at once. (The synthetic engine's
     # chunks are 4 token ids each, and a stream past its max_tokens in ids is never
     # preempted, so light must come early.)
-    monkeypatch.setattr(admission, "USE_SECONDS", 0.05)
+    monkeypatch.setattr(shares, "USE_SECONDS", 0.05)
     keys = tmp_path / "keys"
     keys.write_text("sk-heavy-0123456789 heavy normal\nsk-light-0123456789 light normal\n")
     heavy = {"Authorization": "Bearer sk-heavy-0123456789"}
@@ -556,11 +556,11 @@ def test_shares_summed_once_equal_each_tenants_own_sum():
         tenants = [f"t{i}" for i in range(rng.randint(1, 6))]
         now = time.monotonic()
         for t in tenants:
-            adm._seen[t] = now
-            adm._holding[t] = rng.randint(0, 8)
+            adm.shares.seen[t] = now
+            adm.shares.holding[t] = rng.randint(0, 8)
         for t in tenants + ["stranger"]:
             share = adm.capacity / len(tenants) if len(tenants) > 1 else adm.capacity
-            owed = sum(max(0.0, share - adm._holding[o]) for o in tenants if o != t)
+            owed = sum(max(0.0, share - adm.shares.holding[o]) for o in tenants if o != t)
             got_share, got_owed = adm._share(t)
             assert got_share == pytest.approx(share)
             assert got_owed == pytest.approx(owed if len(tenants) > 1 else 0.0)

@@ -224,8 +224,8 @@ async def test_a_preempted_response_pauses_and_goes_on_without_a_gap(model_dir, 
                                                                      monkeypatch):
     """Two background responses of one tenant hold both slots; another tenant's request
     takes one back at once; the preempted response ends with all its events, in order."""
-    import pdserve.services.edge.admission as admission
-    monkeypatch.setattr(admission, "USE_SECONDS", 0.05)     # heavy is heavy at once
+    import pdserve.services.edge.shares as shares
+    monkeypatch.setattr(shares, "USE_SECONDS", 0.05)     # heavy is heavy at once
     keys = tmp_path / "keys"
     keys.write_text(KEYS)
     async with edge_stack(model_dir, rate=200.0, capacity=2, api_keys_file=str(keys),

@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from pdserve.bench.edge import nginx_conf
+from pdserve.bench.edge_paths import nginx_conf
 from pdserve.bench.synthetic import read_stamps
 from support import Proc, free_port, parse_sse
 from synthetic_stack import edge_stack

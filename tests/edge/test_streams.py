@@ -369,7 +369,7 @@ async def test_a_finished_generation_leaves_no_cycle_for_the_collector(stack):
     which stalled the edge's loop ~190 ms at the end of 1,000 streams."""
     import gc
 
-    from pdserve.services.edge.admission import Ticket
+    from pdserve.services.edge.ticket import Ticket
     from pdserve.services.edge.admitted import AdmittedGeneration
     from pdserve.services.edge.app import STREAMS
     from pdserve.services.edge.events import Renderer

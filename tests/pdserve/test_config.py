@@ -169,34 +169,24 @@ def test_a_worker_runs_the_model_in_the_engine_core_on_one_cpu_rank(monkeypatch,
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == expected
 
 
-@pytest.mark.parametrize("given,expected", [
-    (None, "-event_engine_client,-event_engine_listener"),   # the gateway's default
-    ("", ""),                                                 # an operator's choice is kept
-    ("-event_engine_dns", "-event_engine_dns"),
+@pytest.mark.parametrize("setter,name,given,expected", [
+    # A gateway process reads gRPC's sockets on its poller thread...
+    ("_gateway_grpc_env", "GRPC_EXPERIMENTS", None, "-event_engine_client,-event_engine_listener"),
+    ("_gateway_grpc_env", "GRPC_EXPERIMENTS", "", ""),     # an operator's choice is kept
+    ("_gateway_grpc_env", "GRPC_EXPERIMENTS", "-event_engine_dns", "-event_engine_dns"),
+    # ...and every pdserve process keeps gRPC's C core quiet below an error, unless told.
+    ("_grpc_log_env", "GRPC_VERBOSITY", None, "ERROR"),
+    ("_grpc_log_env", "GRPC_VERBOSITY", "DEBUG", "DEBUG"),
 ])
-def test_a_gateway_process_reads_grpc_sockets_on_its_poller_thread(monkeypatch, given, expected):
-    from pdserve.cli import _gateway_grpc_env
+def test_grpc_environment_defaults_keep_an_operators_own(monkeypatch, setter, name, given,
+                                                         expected):
+    from pdserve import cli
     monkeypatch.setattr(os, "environ", dict(os.environ))
-    os.environ.pop("GRPC_EXPERIMENTS", None)
+    os.environ.pop(name, None)
     if given is not None:
-        os.environ["GRPC_EXPERIMENTS"] = given
-    _gateway_grpc_env()
-    assert os.environ["GRPC_EXPERIMENTS"] == expected
-
-
-@pytest.mark.parametrize("given,expected", [
-    (None, "ERROR"),                # gRPC's C core says nothing below an error
-    ("DEBUG", "DEBUG"),             # an operator's choice is kept
-])
-def test_every_pdserve_process_keeps_grpcs_c_core_quiet_unless_told(monkeypatch, given,
-                                                                    expected):
-    from pdserve.cli import _grpc_log_env
-    monkeypatch.setattr(os, "environ", dict(os.environ))
-    os.environ.pop("GRPC_VERBOSITY", None)
-    if given is not None:
-        os.environ["GRPC_VERBOSITY"] = given
-    _grpc_log_env()
-    assert os.environ["GRPC_VERBOSITY"] == expected
+        os.environ[name] = given
+    getattr(cli, setter)()
+    assert os.environ[name] == expected
 
 
 @pytest.mark.parametrize("argv", [["edge", "--router", "embedded"], ["router"]])

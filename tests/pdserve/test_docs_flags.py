@@ -94,7 +94,7 @@ def _parser_of(run, argv=()) -> argparse.ArgumentParser:
 def commands() -> dict[str, argparse.ArgumentParser]:
     """Every `pdserve` command's parser, by its name (`pdserve` for the global flags)."""
     from pdserve import cli
-    from pdserve.bench import chaos, resume, window
+    from pdserve.bench import chaos
     from pdserve.bench import cli as bench
 
     main = cli._parser()
@@ -104,11 +104,9 @@ def commands() -> dict[str, argparse.ArgumentParser]:
         if name not in ("chaos", "bench"):            # those two hand their argv on
             out[f"pdserve {name}"] = p
     out["pdserve chaos"] = chaos.parser()
-    out["pdserve bench compare"] = bench._compare_parser()
-    for name in ("gateways", "router", "placement", "sessions", "edge", "admission"):
-        out[f"pdserve bench {name}"] = _parser_of(getattr(bench, f"_{name}"))
-    out["pdserve bench window"] = _parser_of(window.main)
-    out["pdserve bench resume"] = resume.parser()
+    for name, run in bench.commands().items():
+        if name != "serve":                             # vLLM's own flags, handed on
+            out[f"pdserve bench {name}"] = _parser_of(run)
     return out
 
 
@@ -184,9 +182,9 @@ def _table(command: str, actions, env: dict[str, str]) -> list[str]:
 
 
 def _env_names() -> list[str]:
-    """The PDSERVE_* variables pdserve.cli reads as flags' defaults."""
-    return sorted(set(re.findall(r'_env\("(PDSERVE_\w+)"',
-                                 (ROOT / "pdserve" / "cli.py").read_text())))
+    """The PDSERVE_* variables the flag tables (pdserve/flags.py) name: those that set a
+    flag's default are found by setting each (`_env_of_flags`)."""
+    return sorted(set(re.findall(r'"(PDSERVE_\w+)"', (ROOT / "pdserve" / "flags.py").read_text())))
 
 
 def _parsers_in(env: dict[str, str]) -> dict[str, argparse.ArgumentParser]:

@@ -84,13 +84,13 @@ def test_a_killed_child_comes_back_while_the_others_are_watched(capfd):
         _watch_until(children, lambda: children.procs["edge"].pid != edge)
         assert "router" in children.due                        # still waiting its 2 s
         _watch_until(children, lambda: children.procs["router"].pid != router)
-        assert all(p.poll() is None for p in children.procs.values())
+        assert all(p.running() for p in children.procs.values())
     finally:
         _stop(children.procs, grace=5)
     err = capfd.readouterr().err
     assert "pdserve: router exited (code -9); restarting it in 2 s" in err
     assert "pdserve: edge exited (code -9); restarting it in 0.5 s" in err
-    assert all(p.poll() is not None for p in children.procs.values())
+    assert not any(p.running() for p in children.procs.values())
 
 
 def test_a_child_that_keeps_dying_stops_the_stack_loudly():

@@ -4,7 +4,7 @@ workload goes through each in turn, `--reps` times in alternating order, and eac
 edge process's own CPU per request is read (the router and workers are shared, so
 only the edges can differ). Prints one JSON object.
 
-    .venv/bin/python scripts/edge_decode_calls.py --reps 4 --requests 30 --rate 1
+    pdserve bench decode-calls --reps 4 --requests 30 --rate 1
 
 `--stack-edge` says which mode the `pdserve up` edge runs (the other edge is
 started beside it), to tell the mode from which edge came first.
@@ -13,14 +13,14 @@ started beside it), to tell the mode from which edge came first.
 the same mode from another checkout (e.g. `git worktree add /tmp/base <commit>`),
 and the result's edges are `this_tree` and `beside_tree`.
 
-    .venv/bin/python scripts/edge_decode_calls.py --reps 4 --beside-tree /tmp/base
+    pdserve bench decode-calls --reps 4 --beside-tree /tmp/base
 
 `--beside-env NAME=VALUE` (repeatable) pairs two environments of this checkout: the
 edge beside runs the same mode with these variables set, and the result's edges are
 `up_edge` and `beside_env`. For example, gRPC's EventEngine I/O threads (the default
 before the edge turned them off) against the edge's own setting:
 
-    .venv/bin/python scripts/edge_decode_calls.py --reps 4 --beside-env GRPC_EXPERIMENTS=
+    pdserve bench decode-calls --reps 4 --beside-env GRPC_EXPERIMENTS=
 """
 from __future__ import annotations
 
@@ -32,24 +32,25 @@ import sys
 
 import psutil
 
-from pdserve.bench.deployments import Hardware, PdserveStack, _Children, free_port, gateway_pids
+from pdserve.bench.deployments import Hardware, PdserveStack, processes, free_port, gateway_pids
 from pdserve.bench.gateways import _runs
 
 MODES = ("per-request", "batched")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench decode-calls", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--reps", type=int, default=4, help="runs per edge, in alternating order")
     p.add_argument("--requests", type=int, default=30, help="per rep and edge")
-    p.add_argument("--rate", type=float, default=1.0)
-    p.add_argument("--stack-edge", choices=MODES, default="per-request")
-    p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    p.add_argument("--stack-edge", choices=MODES, default="per-request",
+                   help="the `pdserve up` edge's --decode-calls (the edge beside: the other)")
+    p.add_argument("--model", default="models/tiny-llama", help="model dir")
     p.add_argument("--beside-tree", help="run the edge beside from this checkout, same mode")
     p.add_argument("--beside-env", action="append", default=[], metavar="NAME=VALUE",
                    help="run the edge beside with this variable set, same mode")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     env = dict(v.split("=", 1) for v in a.beside_env)
     model = os.path.abspath(a.model)
     paired = a.beside_tree or env
@@ -61,7 +62,7 @@ def main() -> None:
     # Every prompt prefilled remotely, as in `pdserve bench gateways`.
     stack = PdserveStack("decode-calls", model, 0, hw,
                          placement=("--prefill-saturated", "0", "--decode-calls", a.stack_edge))
-    beside = _Children("edge-beside")
+    beside = processes("edge-beside")
     try:
         first = stack.start()[0]
         edge = [pid for pid in gateway_pids(stack.up_pid)
@@ -76,7 +77,7 @@ def main() -> None:
         beside.wait_healthy([second + "/health"])
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model)
-        edges = {names[0]: ([first], edge), names[1]: ([second], [beside.procs[0][0].pid])}
+        edges = {names[0]: ([first], edge), names[1]: ([second], beside.pids())}
         res = asyncio.run(_runs(edges, model, tokenizer, a.requests, a.rate, a.reps, 0))
     finally:
         beside.stop()
@@ -93,7 +94,5 @@ def main() -> None:
     else:
         out["edge_cpu_batched_over_per_request"] = round(cpu["batched"] / cpu["per-request"], 3)
     print(json.dumps(out))
+    return 0
 
-
-if __name__ == "__main__":
-    main()

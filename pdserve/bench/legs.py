@@ -5,7 +5,7 @@ worker, then the decode leg with its kv_transfer_params (disaggregated), then
 the decode leg of the same prompt without them (local prefill on the decode
 worker). Prints per-prompt times and the medians.
 
-    .venv/bin/python scripts/pd_latency.py --prefill 127.0.0.1:50061 \\
+    pdserve bench legs --prefill 127.0.0.1:50061 \\
         --decode 127.0.0.1:50071 --model models/tiny-llama --prompts 8 --sentences 30
 """
 from __future__ import annotations
@@ -33,16 +33,16 @@ def _decode(stub, rid: str, ids: list[int], sampling, params=None) -> tuple[floa
     return (first - start) * 1000, (time.perf_counter() - start) * 1000
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench legs", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefill", default="127.0.0.1:50061")
-    p.add_argument("--decode", default="127.0.0.1:50071")
+    p.add_argument("--prefill", default="127.0.0.1:50061", help="the prefill worker's gRPC address")
+    p.add_argument("--decode", default="127.0.0.1:50071", help="the decode worker's gRPC address")
     p.add_argument("--model", default="models/tiny-llama", help="for the tokenizer")
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=8, help="prompts, one at a time")
     p.add_argument("--sentences", type=int, default=30, help="prompt length (~11 tokens each)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    a = p.parse_args()
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens each decode leg makes")
+    a = p.parse_args(argv)
 
     tok = AutoTokenizer.from_pretrained(a.model)
     prefill = vllm_engine_pb2_grpc.VllmEngineStub(grpc.insecure_channel(a.prefill))
@@ -69,7 +69,5 @@ def main() -> None:
           f"decode first token with pulled KV {med[2]:.1f} ms, TTFT disaggregated {med[3]:.1f} ms"
           f" vs local {med[4]:.1f} ms; {a.max_tokens} tokens: {med[5]:.0f} ms with KV vs "
           f"{med[6]:.0f} ms local")
+    return 0
 
-
-if __name__ == "__main__":
-    main()

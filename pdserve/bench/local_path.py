@@ -9,7 +9,7 @@ sends the same token ids over HTTP.
 Prints both side by side with the ratios (target: <= 1.15x); exits 1 when a
 ratio is above --max-ratio.
 
-    .venv/bin/python scripts/local_path_vs_stock.py --prompts 12 --input-len 1024 --output-len 64
+    pdserve bench local --prompts 12 --input-len 1024 --output-len 64
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -76,15 +75,16 @@ def _run(label: str, once, prompts: list[list[int]], out_len: int) -> dict:
     return res
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench local", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/tiny-llama")
-    p.add_argument("--prompts", type=int, default=12)
-    p.add_argument("--input-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-ratio", type=float, default=1.15)
-    a = p.parse_args()
+    p.add_argument("--model", default="models/tiny-llama", help="model dir")
+    p.add_argument("--prompts", type=int, default=12, help="prompts, one at a time")
+    p.add_argument("--input-len", type=int, default=1024, help="tokens of each prompt")
+    p.add_argument("--output-len", type=int, default=64, help="tokens each request makes")
+    p.add_argument("--max-ratio", type=float, default=1.15,
+                   help="exit 1 when a pdserve / stock ratio is above this")
+    a = p.parse_args(argv)
     model = (str(ensure_tiny_model(Path(a.model)).resolve()) if a.model.endswith("tiny-llama")
              else a.model)
     rng = np.random.default_rng(0)
@@ -113,6 +113,3 @@ def main() -> int:
           f"TPOT {ratios['tpot_ms']:.3f}x   (target <= {a.max_ratio}x)")
     return 0 if max(ratios.values()) <= a.max_ratio else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

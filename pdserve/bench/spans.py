@@ -4,7 +4,7 @@ in-process OTLP collector), `--requests` random 1,024-token chat prompts at
 `--rate`, none cached; prints the clients' TTFT and each span's median duration
 per service.
 
-    .venv/bin/python scripts/ttft_spans.py --requests 20 --rate 1
+    pdserve bench spans --requests 20 --rate 1
 """
 from __future__ import annotations
 
@@ -21,17 +21,17 @@ from pdserve.bench.otlp_collector import Collector
 from pdserve.bench.workloads import random_1024
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench spans", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=20)
-    p.add_argument("--rate", type=float, default=1.0)
-    p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--requests", type=int, default=20, help="1,024-token chat prompts")
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    p.add_argument("--model", default="models/tiny-llama", help="model dir")
     p.add_argument("--router-in-edge", action="store_true",
                    help="`pdserve up --router-in-edge`: no router process, placement in the edge")
     p.add_argument("--slowest", type=int, default=3,
                    help="print the spans of this many slowest requests, beside the median one")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     model = os.path.abspath(a.model)
     collector = Collector()
     # The stack's processes inherit this environment: the standard OTEL_* variables.
@@ -69,6 +69,7 @@ def main() -> None:
     for (service, name), ms in sorted(durations.items()):
         print(f"{service:>16}  {name:<45} n={len(ms):3}  p50 {statistics.median(ms):9.2f} ms"
               f"  starts +{statistics.median(starts[(service, name)]):8.2f} ms")
+    return 0
 
 
 def _slowest(spans, outputs, k: int) -> None:
@@ -91,6 +92,3 @@ def _slowest(spans, outputs, k: int) -> None:
             print(f"  {s.service:>16}  {s.name:<45} +{(s.start_ns - t0) / 1e6:8.2f} "
                   f"{(s.end_ns - s.start_ns) / 1e6:8.2f} ms")
 
-
-if __name__ == "__main__":
-    main()
