@@ -170,7 +170,8 @@ def _config(a: argparse.Namespace):
                              "this edge runs: they need --router embedded")
         return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,
-                          host=a.host, port=a.port, grpc_port=a.grpc_port, router=a.router,
+                          host=a.host, port=a.port, grpc_port=a.grpc_port,
+                          metrics_port=a.metrics_port, router=a.router,
                           embedded_router=(_router_config(a, a.router_host, a.router_port)
                                            if a.router == "embedded" else None),
                           min_prefill_workers=a.min_prefill_workers,

@@ -124,6 +124,7 @@ def _commands(a: argparse.Namespace, eng: EngineConfig,
                       if a.router_metrics_port else [])
     edge = ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
                           "--grpc-port", str(a.grpc_port),
+                          "--metrics-port", str(a.edge_metrics_port),
                           *(["--router", "embedded", "--router-host", inside,
                              "--router-port", str(a.router_port)]
                             if a.router_in_edge else ["--router", router]),
