@@ -189,3 +189,10 @@ def test_router_replicas_count_up_and_every_worker_and_the_edge_get_the_list():
         _plan("--routers", "2", "--router-in-edge")
     with pytest.raises(ValueError, match="router ports run into"):
         _plan("--routers", "12")                     # 50051..50062 meets prefill's 50061
+
+
+def test_the_edge_metrics_port_reaches_the_edge():
+    assert _configs(_plan("--edge-metrics-port", "9500"))["edge"].metrics_port == 9500
+    assert _configs(_plan())["edge"].metrics_port == 0          # /metrics on --port
+    with pytest.raises(ValueError, match="metrics_port"):
+        _config(_parser().parse_args(["edge", "--metrics-port", "8000"]))
