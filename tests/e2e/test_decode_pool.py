@@ -6,7 +6,7 @@ of a conversation lands on the decode worker that served turn 1, which still
 holds turn 1's blocks: a short new message is prefilled right there (nothing
 travels) and the first token comes sooner; a long one is prefilled remotely from
 the prefill engine's cache, and the decode worker pulls only the blocks it lacks. Different
-sessions spread over both workers.
+sessions spread over both workers. Chains of /v1/responses turns (previous_response_id) do alike.
 
 The last tests break workers: a SIGKILLed decode worker's sessions move to the
 other; a SIGKILLed prefill worker costs no request (the decode worker prefills
@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -122,6 +123,42 @@ def test_sessions_spread_over_both_decode_workers(pool):
     seen = {_chat(pool, [{"role": "user", "content": f"Tell me about the number {i}."}],
                   f"spread-{i}")[0]["x-pdserve-worker"] for i in range(8)}
     assert seen == {"decode-0", "decode-1"}
+
+
+def _response(sdk, model: str, chain: int, text: str, previous: str | None):
+    """One turn of chain `chain` (its own system prompt): ((worker, path), the Response)."""
+    raw = sdk.responses.with_raw_response.create(
+        model=model, instructions=f"You are assistant {chain}. Answer briefly.", input=text,
+        temperature=0, max_output_tokens=8, previous_response_id=previous)
+    return (raw.headers["x-pdserve-worker"], raw.headers["x-pdserve-path"]), raw.parse()
+
+
+def test_response_chains_stay_on_their_decode_worker_and_reuse_its_kv(pool):
+    """Four /v1/responses chains of four turns through the OpenAI SDK, keyed by their first
+    response ids (no session header). Turn k of every chain runs at once, so the first turns
+    spread by load; turns 2-4 follow turn 1's worker. A long first turn and ~170 tokens more
+    a turn keep each later prompt mostly held there (prefilled locally): a block more each."""
+    from openai import OpenAI
+    sdk = OpenAI(base_url=f"{pool['url']}/v1", api_key="none", max_retries=0, timeout=120)
+    chains, more = range(4), "Say more about colours and light. "
+    last, seen, cached = dict.fromkeys(chains), {c: [] for c in chains}, {c: [] for c in chains}
+    with ThreadPoolExecutor(len(chains)) as ex:
+        for text in ("Hello. " + more * 76, "More. " + more * 8, "Then? " + more * 8,
+                     "Bye. " + more * 8):
+            turns = {c: ex.submit(_response, sdk, pool["model"], c, text, last[c])
+                     for c in chains}
+            for c, turn in turns.items():
+                where, r = turn.result()
+                assert r.previous_response_id == last[c]
+                seen[c].append(where)
+                cached[c].append(r.usage.input_tokens_details.cached_tokens)
+                last[c] = r.id
+    for c in chains:
+        print(f"chain {c}: (worker, path) {seen[c]}, cached tokens {cached[c]}")
+    for c in chains:
+        assert [w for w, _ in seen[c][1:]] == [seen[c][0][0]] * 3, (c, seen[c])
+        assert 0 < cached[c][1] < cached[c][2] < cached[c][3], (c, cached[c], seen[c])
+    assert {seen[c][0][0] for c in chains} == {"decode-0", "decode-1"}, seen
 
 
 def test_the_router_runs_inside_the_edge(pool):
