@@ -170,19 +170,31 @@ def _config(a: argparse.Namespace):
                              "this edge runs: they need --router embedded")
         return EdgeConfig(model=a.model or str(DEFAULT_MODEL_DIR.resolve()),
                           served_model_name=a.served_model_name, max_model_len=a.max_model_len,
-                          host=a.host, port=a.port, grpc_port=a.grpc_port, router=a.router,
+                          host=a.host, port=a.port, grpc_port=a.grpc_port,
+                          metrics_port=a.metrics_port, router=a.router,
                           embedded_router=(_router_config(a, a.router_host, a.router_port)
                                            if a.router == "embedded" else None),
                           min_prefill_workers=a.min_prefill_workers,
                           min_decode_workers=a.min_decode_workers,
                           **{name: getattr(a, name) for name in EDGE_FLAGS})
     if a.command == "up":
-        if not 1 <= a.prefill_workers <= 16 or not 1 <= a.decode_workers <= 16:
-            raise ValueError("--prefill-workers and --decode-workers must be in 1..16")
-        if a.prefill_port < a.decode_port < a.prefill_port + a.prefill_workers:
-            raise ValueError("prefill ports run into --decode-port: move one of them")
+        _check_up(a)
         return _engine_config(a)
     return None
+
+
+def _check_up(a: argparse.Namespace) -> None:
+    """`up`'s pools and their ports, which count up from each first one."""
+    if not 1 <= a.prefill_workers <= 16 or not 1 <= a.decode_workers <= 16:
+        raise ValueError("--prefill-workers and --decode-workers must be in 1..16")
+    if a.prefill_port < a.decode_port < a.prefill_port + a.prefill_workers:
+        raise ValueError("prefill ports run into --decode-port: move one of them")
+    if not 1 <= a.routers <= 16 or (a.routers > 1 and a.router_in_edge):
+        raise ValueError("--routers must be in 1..16, and 1 with --router-in-edge")
+    workers = {*range(a.prefill_port, a.prefill_port + a.prefill_workers),
+               *range(a.decode_port, a.decode_port + a.decode_workers)}
+    if workers & set(range(a.router_port, a.router_port + a.routers)):
+        raise ValueError("router ports run into the workers' ports: move --router-port")
 
 
 def main(argv: list[str] | None = None) -> None:

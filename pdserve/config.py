@@ -215,6 +215,9 @@ class EdgeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50081               # the internal Inference API
+    # /metrics on a port of its own (0: on `port`, beside the API), so that a
+    # NetworkPolicy can open it to the monitoring namespace alone.
+    metrics_port: int = 0
     router: str = "127.0.0.1:50051"
     # Set: the router runs in the edge's process (`--router embedded`), placing on its
     # loop and serving pdserve.v1.Router on its host:port for workers to register with.
@@ -297,6 +300,9 @@ class EdgeConfig:
             _check_positive(name, getattr(self, name))
         _check_port("port", self.port)
         _check_port("grpc_port", self.grpc_port)
+        _check_port("metrics_port", self.metrics_port)
+        if self.metrics_port and self.metrics_port in (self.port, self.grpc_port):
+            raise ValueError(f"metrics_port {self.metrics_port} is the edge's HTTP or gRPC port")
         _check_positive("max_model_len", self.max_model_len)
         if self.min_prefill_workers < 0 or self.min_decode_workers < 1:
             raise ValueError("min_prefill_workers must be >= 0 and min_decode_workers >= 1")

@@ -269,7 +269,13 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")), help="edge port")
     up.add_argument("--grpc-port", type=int, default=50081,
                     help="edge's internal Inference gRPC API")
-    up.add_argument("--router-port", type=int, default=50051)
+    up.add_argument("--router-port", type=int, default=50051,
+                    help="the router's gRPC port (with --routers N, the first replica's; the "
+                         "next ones count up)")
+    up.add_argument("--routers", type=int, default=1,
+                    help="router replicas, each holding the whole pool: every worker "
+                         "registers with each, the edge dials them as one list and moves to "
+                         "another when the one it uses goes away")
     up.add_argument("--router-in-edge", action=argparse.BooleanOptionalAction, default=False,
                     help="run the router inside the edge process (no router process: the "
                          "edge serves the Router service on --router-port; the router's "
@@ -291,7 +297,10 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                     help="serve each worker's vllm:* and pdserve:kv_* metrics, prefill first, "
                          "counting up from here (0: off)")
     up.add_argument("--router-metrics-port", type=int, default=0,
-                    help="serve the router's pdserve:router_* metrics here (0: off)")
+                    help="serve the router's pdserve:router_* metrics here, replicas "
+                         "counting up (0: off)")
+    up.add_argument("--edge-metrics-port", type=int, default=0,
+                    help="serve the edge's /metrics here instead of on --port (0: on --port)")
     up.add_argument("--prefill-gpus", default="0", help="CUDA_VISIBLE_DEVICES of prefill (cuda)")
     up.add_argument("--decode-gpus", default="1", help="CUDA_VISIBLE_DEVICES of decode (cuda)")
     _add_engine_flags(up)
@@ -345,6 +354,9 @@ def add_edge(sub: argparse._SubParsersAction) -> None:
                    help="bind address (`::`: every IPv6 and IPv4 address)")
     e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
     e.add_argument("--grpc-port", type=int, default=50081, help="internal Inference gRPC API")
+    e.add_argument("--metrics-port", type=int, default=0,
+                   help="serve /metrics on this port (on --host) instead of --port, which then "
+                        "answers it 404 (0: /metrics on --port, beside the API)")
     e.add_argument("--router", default="127.0.0.1:50051",
                    help="the router's HOST:PORT (replicas: IP:PORT,IP:PORT or "
                         "dns:///NAME:PORT, one used at a time), or `embedded`: run it in "

@@ -1,8 +1,8 @@
 """`pdserve up`: the whole stack as child processes on one machine.
 
-Starts the router, N prefill and M decode workers (each engine on its own
-cores or GPUs, or sharing them when there are more engines than units) and
-the edge; prints one line when the edge reports healthy. Any child that dies,
+Starts the router (--routers R: R replicas, each holding the whole pool), N
+prefill and M decode workers (each engine on its own cores or GPUs, or sharing
+them when there are more engines than units) and the edge; prints one line when the edge reports healthy. Any child that dies,
 before or after that, is restarted after a backoff (0.5 s, doubling to 10 s;
 0.5 s again once it has stayed up a minute) while the others are watched on:
 a pool serves on without one worker, and the edge and the workers reconnect to
@@ -96,7 +96,9 @@ def _commands(a: argparse.Namespace, eng: EngineConfig,
     # family so that an IPv6-only stack (--host ::1) needs no IPv4.
     inside = loopback(a.host)
     # --router-in-edge: no router process; the edge serves the router's port itself.
-    router = hostport(inside, a.router_port)
+    # Replicas: every worker registers with each, the edge dials them as one list.
+    routers = [hostport(inside, a.router_port + i) for i in range(a.routers)]
+    router = ",".join(routers)
     units = _placement(a, eng)
     token = ["--cluster-token-file", token_file] if token_file else []
     workers = []
@@ -120,10 +122,9 @@ def _commands(a: argparse.Namespace, eng: EngineConfig,
     # to the prefill core measured a worse TTFT (its per-token wake-ups then
     # delay every prefill; docs/design/2026-11-30-gateway-unpinned.md).
     gateway_pin = ["--cpus", a.gateway_cpus] if a.gateway_cpus else []
-    router_metrics = (["--metrics-port", str(a.router_metrics_port)]
-                      if a.router_metrics_port else [])
     edge = ("edge", me + ["edge", "--host", a.host, "--port", str(a.port),
                           "--grpc-port", str(a.grpc_port),
+                          "--metrics-port", str(a.edge_metrics_port),
                           *(["--router", "embedded", "--router-host", inside,
                              "--router-port", str(a.router_port)]
                             if a.router_in_edge else ["--router", router]),
@@ -134,9 +135,20 @@ def _commands(a: argparse.Namespace, eng: EngineConfig,
             + (placement + token if a.router_in_edge else []) + gateway_pin, {})
     if a.router_in_edge:
         return [*workers, edge]
-    return [("router", me + ["router", "--host", inside, "--port", str(a.router_port)]
-             + gateway_pin + placement + router_metrics + token, {}),
-            *workers, edge]
+    return [*_routers(a, me, inside, gateway_pin + placement + token), *workers, edge]
+
+
+def _routers(a: argparse.Namespace, me: list[str], inside: str,
+             flags: list[str]) -> list[tuple[str, list[str], dict]]:
+    """`router` (one), or `router-0`... (replicas on ports, and metrics ports, counting up)."""
+    out = []
+    for i in range(a.routers):
+        metrics = (["--metrics-port", str(a.router_metrics_port + i)]
+                   if a.router_metrics_port else [])
+        name = "router" if a.routers == 1 else f"router-{i}"
+        out.append((name, me + ["router", "--host", inside, "--port", str(a.router_port + i)]
+                    + flags + metrics, {}))
+    return out
 
 
 def _stop(children: dict[str, Child], grace: float) -> None:
@@ -272,7 +284,8 @@ def run_stack(a: argparse.Namespace, eng: EngineConfig) -> int:
             if not ready and healthy(health):
                 ready = True
                 where = hostport(loopback(a.host), a.router_port) + (
-                    " in the edge" if a.router_in_edge else "")
+                    " in the edge" if a.router_in_edge else
+                    f" and {a.routers - 1} more counting up" if a.routers > 1 else "")
                 print(f"pdserve ready: http://{hostport(a.host, a.port)} (router {where},"
                       f" {a.prefill_workers} prefill from :{a.prefill_port}, {a.decode_workers}"
                       f" decode from :{a.decode_port}, model {eng.name})", flush=True)

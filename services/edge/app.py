@@ -474,7 +474,8 @@ def build_app(cfg: EdgeConfig, orchestrator: Orchestrator, encoder: PromptEncode
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    if not cfg.metrics_port:            # else on a port of its own (server.py)
+        app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     from . import responses_api                 # it reads this module's keys and steps
     responses_api.add_routes(app)

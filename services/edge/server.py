@@ -14,7 +14,7 @@ from pdserve.services.router.local import LocalRouter
 from pdserve.services.router.server import Router
 
 from . import websocket
-from .app import ADMISSION, STREAMS, build_app
+from .app import ADMISSION, METRICS, ROUTER_METRICS, STREAMS, build_app, metrics
 from .detokenizer import byte_table
 from .inference import InferenceService
 from .orchestrator import Orchestrator
@@ -43,6 +43,20 @@ def stop_budget(drain_seconds: float) -> float:
 
 
 log = logging.getLogger("pdserve.edge")
+
+
+async def _serve_metrics(cfg: EdgeConfig, app: web.Application) -> web.AppRunner | None:
+    """With --metrics-port: /metrics alone on that port (the API's port answers it 404),
+    bound where the API is, so that a policy can admit scrapers to it alone."""
+    if not cfg.metrics_port:
+        return None
+    scrape = web.Application()
+    scrape[METRICS], scrape[ROUTER_METRICS] = app[METRICS], app[ROUTER_METRICS]
+    scrape.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(scrape, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, None if cfg.host == "::" else cfg.host, cfg.metrics_port).start()
+    return runner
 
 
 async def serve(cfg: EdgeConfig) -> None:
@@ -75,6 +89,7 @@ async def serve(cfg: EdgeConfig) -> None:
     # `::` IPv6-only; no host binds 0.0.0.0 and :: side by side).
     site = web.TCPSite(runner, None if cfg.host == "::" else cfg.host, cfg.port, backlog=4096)
     await site.start()
+    metrics_runner = await _serve_metrics(cfg, app)
     freeze_startup_heap(full_every=FULL_COLLECTION_EVERY)
     log.info("edge listening on http://%s, Inference gRPC on :%d (model %s, router %s)",
              hostport(cfg.host, cfg.port), grpc_server.port, cfg.name,
@@ -95,6 +110,8 @@ async def serve(cfg: EdgeConfig) -> None:
             await app[STREAMS].cut("the edge's drain ended")
         await grpc_server.stop(grace=STOP_GRPC_GRACE_S)
         await runner.cleanup()
+        if metrics_runner:
+            await metrics_runner.cleanup()
         await orchestrator.close()
         if router:
             await router.stop(grace=STOP_ROUTER_GRACE_S)

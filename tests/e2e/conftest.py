@@ -88,6 +88,9 @@ def reference(model_dir) -> dict[str, dict]:
         proc.stop(timeout=60)
 
 
+ROUTERS = 2                             # router replicas of the session's stack
+
+
 @dataclass
 class Stack:
     """A running `pdserve up` and where to reach its parts."""
@@ -96,20 +99,24 @@ class Stack:
     url: str
     model: str
     inference: str
-    router: str
+    router: str                         # the first router replica (the edge's while it is up)
+    routers: list[str]                  # every replica: ports counting up from the first
     prefill: str
     decode: str
     decode_metrics: str                 # the decode engine's own vllm:* series
     prefill_metrics: str                # the prefill worker's vllm:* and pdserve:kv_* series
-    router_metrics: str                 # the router's pdserve:router_* series
+    router_metrics: str                 # the first replica's pdserve:router_* series
+    routers_metrics: list[str]          # every replica's, in `routers`' order
     traces: Collector                   # every process exports its spans here (OTLP)
 
 
 @pytest.fixture(scope="session")
 def stack(model_dir, reference) -> Stack:
     """`pdserve up` on free loopback ports; stopped (and checked) at session end."""
-    ports = {k: free_port() for k in ("edge", "grpc", "router", "prefill", "decode",
-                                      "router_metrics")}
+    ports = {k: free_port() for k in ("edge", "grpc", "prefill", "decode")}
+    # Two router replicas (light processes), so that one can be stopped under load
+    # (tests/e2e/test_router_failover.py): ports and metrics ports counting up.
+    ports["router"], router_metrics = free_port_run(ROUTERS), free_port_run(ROUTERS)
     metrics = free_port_run(2)
     traces = Collector()
     # Tracing on, as an operator turns it on: the standard OTEL_* variables. Spans
@@ -117,7 +124,8 @@ def stack(model_dir, reference) -> Stack:
     tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": traces.http_endpoint,
                "OTEL_BSP_SCHEDULE_DELAY": "200"}
     proc = Proc(up_cmd(ports, model_dir, free_port_run(2), metrics,
-                       "--router-metrics-port", str(ports["router_metrics"]),
+                       "--routers", str(ROUTERS),
+                       "--router-metrics-port", str(router_metrics),
                        # Equality tests repeat prompts, and send 8 at once: keep them
                        # on the P/D path even when the decode worker holds them or the
                        # prefill worker is busy (placement has tests of its own).
@@ -135,15 +143,18 @@ def stack(model_dir, reference) -> Stack:
                 env=tracing, name="pdserve-up")
     stack = Stack(proc=proc, url=f"http://127.0.0.1:{ports['edge']}", model=str(model_dir),
                   inference=f"127.0.0.1:{ports['grpc']}", router=f"127.0.0.1:{ports['router']}",
+                  routers=[f"127.0.0.1:{ports['router'] + i}" for i in range(ROUTERS)],
                   prefill=f"127.0.0.1:{ports['prefill']}", decode=f"127.0.0.1:{ports['decode']}",
                   decode_metrics=f"http://127.0.0.1:{metrics + 1}/metrics",
                   prefill_metrics=f"http://127.0.0.1:{metrics}/metrics",
-                  router_metrics=f"http://127.0.0.1:{ports['router_metrics']}/metrics",
+                  router_metrics=f"http://127.0.0.1:{router_metrics}/metrics",
+                  routers_metrics=[f"http://127.0.0.1:{router_metrics + i}/metrics"
+                                   for i in range(ROUTERS)],
                   traces=traces)
     try:
         proc.wait_for("pdserve ready", timeout=400)
         tree = proc.descendants()
-        assert len(tree) >= 4, f"expected router, prefill, decode, edge; got {tree}"
+        assert len(tree) >= 3 + ROUTERS, f"expected routers, prefill, decode, edge; got {tree}"
         yield stack
     finally:
         tree = proc.descendants()

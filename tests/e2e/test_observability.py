@@ -149,7 +149,9 @@ class _Scrapes:
 
     def __init__(self, stack):
         self.urls = {"edge": f"{stack.url}/metrics", "prefill": stack.prefill_metrics,
-                     "decode": stack.decode_metrics, "router": stack.router_metrics}
+                     "decode": stack.decode_metrics}
+        self.routers = [f"router-{i}" for i in range(len(stack.routers_metrics))]
+        self.urls |= dict(zip(self.routers, stack.routers_metrics))
         self.before = {k: _scrape(u) for k, u in self.urls.items()}
         self.after = self.before
 
@@ -157,8 +159,9 @@ class _Scrapes:
         self.after = {k: _scrape(u) for k, u in self.urls.items()}
 
     def moved(self, service: str, name: str, **labels) -> float:
-        return (_sum(self.after[service], name, **labels)
-                - _sum(self.before[service], name, **labels))
+        """What `name` moved by; "router": summed over the replicas (the edge uses one)."""
+        return sum(_sum(self.after[s], name, **labels) - _sum(self.before[s], name, **labels)
+                   for s in (self.routers if service == "router" else [service]))
 
 
 def _leases_settled(stack, timeout: float = 15.0) -> None:
@@ -234,7 +237,8 @@ def test_every_service_metrics_move_by_what_one_request_did(stack):
     assert m.moved("router", "pdserve:router_decisions_total") == 1
     assert m.moved("router", "pdserve:router_route_seconds_count") == 1
     for role in ("prefill", "decode"):
-        assert _sum(m.after["router"], "pdserve:router_worker_serving", role=role) == 1
+        for replica in m.routers:           # each replica holds the whole pool
+            assert _sum(m.after[replica], "pdserve:router_worker_serving", role=role) == 1
         assert _sum(m.after[role], "pdserve:worker_info", role=role) == 1
 
 
@@ -247,7 +251,7 @@ def _served(stack) -> set[str]:
     """Every series name the stack's processes serve on their /metrics."""
     served = set()
     for url in (f"{stack.url}/metrics", stack.prefill_metrics, stack.decode_metrics,
-                stack.router_metrics):
+                *stack.routers_metrics):
         served |= {name for name, _ in _scrape(url)}
     return served
 

@@ -246,7 +246,10 @@ def parse(container: Container) -> Process:
     if a.command == "edge":
         # after the drain: every shutdown timeout of services/edge/server.py
         from pdserve.services.edge.server import stop_budget
-        return Process("edge", a, {"http": a.port, "grpc": a.grpc_port},
+        listens = {"http": a.port, "grpc": a.grpc_port}
+        if a.metrics_port:
+            listens["metrics"] = a.metrics_port
+        return Process("edge", a, listens,
                        frozenset({"", full(inference_pb2, "Inference")}), a.drain_seconds,
                        stop_budget(0))
     return Process(a.command, a, {}, frozenset())

@@ -138,7 +138,9 @@ def _architecture(procs, extra_pods, services) -> set[tuple[str, str, str]]:
     if "epp" in extra_pods:                  # inference-extension: the endpoint picker
         flows |= {("gateway", "epp", "TCP/9002"), ("gateway", "epp", "TCP/9003"),
                   ("monitoring", "epp", "TCP/9090"),
-                  ("epp", "edge", f"TCP/{procs['edge'][1].listens['http']}"),
+                  # the members' /metrics: the edge's metrics port, else its HTTP port
+                  ("epp", "edge", metrics.get("edge",
+                                              f"TCP/{procs['edge'][1].listens['http']}")),
                   ("epp", "internet", "TCP/443"), ("epp", "internet", "TCP/6443")}
     return flows
 
@@ -362,8 +364,8 @@ def _selects(selector: dict, labels: dict[str, str]) -> bool:
 
 
 def test_the_prometheus_operator_scrapes_every_metrics_port():
-    """Every port a pdserve process serves /metrics on (the workers' and the router's
-    --metrics-port, the edge's HTTP port) is a PodMonitor endpoint, with the path the
+    """Every port a pdserve process serves /metrics on (the workers', the router's and the
+    edge's --metrics-port; an edge without one, its HTTP port) is a PodMonitor endpoint, with the path the
     process serves; every PodMonitor endpoint is such a port (h100 runs the Operator)."""
     docs = render("h100")
     monitors = by_kind(docs, "PodMonitor")
@@ -376,8 +378,7 @@ def test_the_prometheus_operator_scrapes_every_metrics_port():
             for ep in monitor["spec"]["podMetricsEndpoints"]:
                 scraped.setdefault(name, set()).add((pod.main.port(ep["port"]), ep["path"]))
     for name, (pod, proc) in _processes(docs).items():
-        served = ({(proc.listens["http"], "/metrics")} if name == "edge"
-                  else {(proc.listens["metrics"], "/metrics")})
+        served = {(proc.listens.get("metrics", proc.listens.get("http")), "/metrics")}
         assert scraped.get(name) == served, (name, scraped.get(name), served)
         # ... and for a Prometheus without the Operator, the same port in the annotations.
         annotations = pod.template["metadata"]["annotations"]

@@ -173,3 +173,26 @@ def test_up_with_keys_makes_its_edge_a_salt_secret(tmp_path):
     given = _parser().parse_args(["up", "--api-keys-file", "k", "--tenant-salt-file", "/s"])
     _salt_secret(given, str(tmp_path / "none"))
     assert given.tenant_salt_file == "/s"
+
+
+def test_router_replicas_count_up_and_every_worker_and_the_edge_get_the_list():
+    plan = _plan("--routers", "3", "--router-port", "50100", "--router-metrics-port", "9300")
+    assert [n for n in plan if n.startswith("router")] == ["router-0", "router-1", "router-2"]
+    cfgs = _configs(plan)
+    assert [(cfgs[f"router-{i}"].port, cfgs[f"router-{i}"].metrics_port)
+            for i in range(3)] == [(50100, 9300), (50101, 9301), (50102, 9302)]
+    every = "127.0.0.1:50100,127.0.0.1:50101,127.0.0.1:50102"
+    assert cfgs["edge"].router == cfgs["prefill-0"].router == cfgs["decode-0"].router == every
+    # One replica keeps the name and flags it always had.
+    assert _flag(_plan()["router"], "--port") == "50051"
+    with pytest.raises(ValueError, match="--routers"):
+        _plan("--routers", "2", "--router-in-edge")
+    with pytest.raises(ValueError, match="router ports run into"):
+        _plan("--routers", "12")                     # 50051..50062 meets prefill's 50061
+
+
+def test_the_edge_metrics_port_reaches_the_edge():
+    assert _configs(_plan("--edge-metrics-port", "9500"))["edge"].metrics_port == 9500
+    assert _configs(_plan())["edge"].metrics_port == 0          # /metrics on --port
+    with pytest.raises(ValueError, match="metrics_port"):
+        _config(_parser().parse_args(["edge", "--metrics-port", "8000"]))
