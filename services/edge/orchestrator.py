@@ -125,11 +125,6 @@ class Orchestrator:
     def _leases(self, address: str) -> transfer_pb2_grpc.KVTransferStub:
         return self._stub(transfer_pb2_grpc.KVTransferStub, address)
 
-    async def workers(self) -> list[router_pb2.WorkerInfo]:
-        """Every worker the router knows, with liveness."""
-        resp = await self.router.ListWorkers(router_pb2.ListWorkersRequest(), timeout=2.0)
-        return list(resp.workers)
-
     async def pool(self, edge_id: str, admitted: int) -> router_pb2.ListWorkersResponse:
         """The workers, and what the other edges have admitted, for this edge's count
         of its own (services/router/edges.py)."""
