@@ -3,8 +3,8 @@
 Each step is scheduled the way vLLM v1's scheduler does it: the running requests first
 (a decode takes 1 token of the step's `max_num_batched_tokens`, a prompt part-way
 through its prefill takes what is left of it, up to the budget), then waiting requests
-in arrival order while the budget and `max_num_seqs` allow. A step lasts its decodes'
-time plus its prefill chunks' time, the fixed per-step cost counted once; every request
+in arrival order while the budget and `max_num_seqs` allow. A step lasts the fixed per-step
+cost (`fixed_step_ms`) plus its decodes' and its prefill chunks' costs beyond it; every request
 in it that finished its prompt or decoded gets a token at the step's end.
 
 A prompt's prefill costs `profile.prefill_ms(prompt, cached_fraction)`, where the cached
@@ -85,6 +85,7 @@ class EngineModel:
         self.running: list[Job] = []
         self.cache: dict[str, int] = {}
         self.busy = False
+        self._decode_memo: dict[tuple[int, int], float] = {}
 
     @property
     def load(self) -> int:
@@ -103,16 +104,22 @@ class EngineModel:
         if job.todo:
             cached = self.cached_tokens(job.prompt, prefixes)
             job.todo = job.prompt - cached
-            job.ms_per_token = self._prefill_ms(job.prompt, cached / job.prompt) / job.todo
+            job.ms_per_token = self._prefill_var_ms(job.prompt, cached / job.prompt) / job.todo
         self.waiting.append(job)
 
-    def _prefill_ms(self, prompt: int, cached_fraction: float) -> float:
+    def _prefill_var_ms(self, prompt: int, cached_fraction: float) -> float:
+        """A prefill's cost beyond the fixed step cost."""
         ms = self.profile.prefill_ms(prompt, cached_fraction)
-        return self.fixed + max(0.0, ms - self.fixed) / self.speed.prefill
+        return max(0.0, ms - self.fixed) / self.speed.prefill
 
-    def _decode_ms(self, batch: int, context: float) -> float:
-        ms = self.profile.decode_step_ms(batch, context)
-        return self.fixed + max(0.0, ms - self.fixed) / self.speed.decode
+    def _decode_var_ms(self, batch: int, context: float) -> float:
+        """A decode step's cost beyond the fixed step cost (the context to 1/8 block:
+        interpolating every step would be most of the simulation's time)."""
+        key = (batch, int(context * 8) // self.profile.block_size)
+        if key not in self._decode_memo:
+            ms = self.profile.decode_step_ms(batch, context)
+            self._decode_memo[key] = max(0.0, ms - self.fixed) / self.speed.decode
+        return self._decode_memo[key]
 
     def _schedule(self) -> tuple[list[tuple[Job, int]], list[Job]]:
         """(prefill chunks, decoding jobs) of the next step; admits waiting jobs."""
@@ -148,11 +155,11 @@ class EngineModel:
             return None
         chunks, decodes = self._schedule()
         prefill = sum(job.ms_per_token * n for job, n in chunks)
-        decode = (self._decode_ms(len(decodes), sum(j.context for j in decodes) / len(decodes))
+        decode = (self._decode_var_ms(len(decodes),
+                                      sum(j.context for j in decodes) / len(decodes))
                   if decodes else 0.0)
-        ms = prefill + decode - (min(self.fixed, prefill, decode) if chunks and decodes else 0)
         # NOTE: a step that only starts KV loads still costs the fixed part.
-        out = StepResult(ms=max(ms, self.fixed))
+        out = StepResult(ms=self.fixed + prefill + decode)
         for job, n in chunks:
             job.todo -= n
             if not job.todo:

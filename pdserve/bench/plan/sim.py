@@ -59,6 +59,7 @@ class Outcome:
 
     ttft_ms: float
     max_gap_ms: float
+    sent_s: float
     done_s: float
     local: bool = True               # prefilled where it decoded
 
@@ -77,8 +78,11 @@ class SimResult:
         """Requests per second meeting both limits (slo.py's definition)."""
         return self.met(ttft_ms, itl_ms) / self.duration_s if self.duration_s > 0 else 0.0
 
-    def attainment(self, ttft_ms: float, itl_ms: float) -> float:
-        return self.met(ttft_ms, itl_ms) / len(self.outcomes) if self.outcomes else 0.0
+    def attainment(self, ttft_ms: float, itl_ms: float, after_s: float = 0.0) -> float:
+        """The share of the requests sent from `after_s` on that met both limits."""
+        got = [o.ttft_ms <= ttft_ms and o.max_gap_ms <= itl_ms
+               for o in self.outcomes if o.sent_s >= after_s]
+        return sum(got) / len(got) if got else 0.0
 
     def p99(self, what: str) -> float:
         values = [getattr(o, what) for o in self.outcomes]
@@ -213,7 +217,7 @@ class _Run:
     def finish(self, t: float, rid: int) -> None:
         f = self.flights[rid]
         self.outcomes.append(Outcome((f.first - f.sent) * 1000 + self.gateway_ms,
-                                     f.max_gap * 1000, t, f.local))
+                                     f.max_gap * 1000, f.sent, t, f.local))
         if f.session >= 0 and f.index + 1 < len(self.demand.sessions[f.session]):
             self.at(t, self.send, self.demand.sessions[f.session][f.index + 1],
                     f.session, f.index + 1)

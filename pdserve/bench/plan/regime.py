@@ -1,0 +1,6 @@
+def add_arguments(p):
+    pass
+
+
+def main(a):
+    return 0
