@@ -136,8 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--workloads", default="", help="comma-separated subset of the workloads")
     p.add_argument("--deployments", default="",
-                   help="measure only these (comma-separated candidate names), every "
-                        "workload; the cases take the rest from --measured")
+                   help="only measure these (comma-separated candidate names) on every "
+                        "workload into --measured, and print no cases")
     p.add_argument("--measured", default="bench/results/plan_check_runs",
                    help="folder of measurements, reused across commands")
     p.add_argument("--predict-only", action="store_true",
@@ -149,7 +149,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_cases(profile: Profile, plan: dict, seed: int, reps: int) -> tuple[list, dict]:
     """(cases without measurements, the candidates each workload needs measured)."""
-
     engines = len(os.sched_getaffinity(0)) // profile.units_per_engine
     cases, needs = [], {}
     for w, (rate, n) in plan.items():
@@ -176,6 +175,11 @@ def table(cases: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _model(given: str) -> str:
+    from ..cli import _model as model
+    return model(given)
+
+
 def main(a: argparse.Namespace) -> int:
     base = QUICK if a.quick else FULL
     try:
@@ -188,15 +192,19 @@ def main(a: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError) as e:
         print(f"pdserve plan check: --profile {a.profile}: {e}", file=sys.stderr)
         return 2
-    cases, needs = plan_cases(profile, plan, a.seed, a.reps)
     folder = Path(a.measured)
     folder.mkdir(parents=True, exist_ok=True)
+    only = set(a.deployments.split(",")) if a.deployments else set()
+    engines = len(os.sched_getaffinity(0)) // profile.units_per_engine
+    if only:                # measure only: cases come from a later command
+        measure([d for d in candidates(engines) if d.name in only], {}, plan,
+                _model(a.model), a.seed, folder, only)
+        print(json.dumps({"measured": sorted(str(p) for p in folder.glob("*.json"))}))
+        return 0
+    cases, needs = plan_cases(profile, plan, a.seed, a.reps)
     if not a.predict_only:
-        from ..cli import _model
-        only = set(a.deployments.split(",")) if a.deployments else set()
-        deps = [d for d in candidates(len(os.sched_getaffinity(0)) // profile.units_per_engine)
-                if d.name in needs or d.name in only]
-        measure(deps, needs, plan, _model(a.model), a.seed, folder, only)
+        measure([d for d in candidates(engines) if d.name in needs], needs, plan,
+                _model(a.model), a.seed, folder, only)
     cases = settle(cases, plan, a.seed, folder)
     errors = [abs(c["error"]) for c in cases if c["error"] is not None]
     out = {"command": "pdserve plan check " + shlex.join(sys.argv[3:]),

@@ -84,6 +84,7 @@ class Setting:
     seed: int = 0
     knobs: Knobs = Knobs()
     arrival_seed: int | None = None     # fixed: a measured run's arrivals
+    span_s: float = SPAN_S              # a sustained-rate run's arrivals last this long
 
     def runs(self, dep: Deployment, rate: float) -> list:
         return [simulate(self.profile, dep, self.workload.build(self.requests, self.seed + k, rate),
@@ -108,10 +109,10 @@ def sustained(s: Setting, dep: Deployment, slos: dict[str, SLO], attainment: flo
               start: float = 0.1, refine: int = 4) -> dict[str, float]:
     """Per SLO, the highest rate at which `attainment` of the requests meet it: rates
     grow 1.5x from `start` until every SLO fails, then bisection. Each run lasts at least
-    `SPAN_S` of arrivals and only its second half counts: a backlog that grows (a rate
+    `span_s` of arrivals and only its second half counts: a backlog that grows (a rate
     the deployment cannot keep up with) fails there, whatever the SLO's slack."""
     def att(rate: float) -> dict[str, float]:
-        n = min(MAX_REQUESTS, max(s.requests, int(rate * SPAN_S)))
+        n = min(MAX_REQUESTS, max(s.requests, int(rate * s.span_s)))
         runs = dataclasses.replace(s, requests=n, reps=min(s.reps, 2)).runs(dep, rate)
         return {k: mean(r.attainment(x.ttft_ms, x.itl_ms, n / rate / 2) for r in runs)
                 for k, x in slos.items()}

@@ -1,0 +1,110 @@
+"""`pdserve plan recommend` and `check` without engines: what the planner picks over
+hand-made profiles, the trace format, and the command line's errors."""
+import json
+
+import pytest
+
+from pdserve.bench.plan import check
+from pdserve.bench.plan.candidates import candidates, how_to_run
+from pdserve.bench.plan.cli import main
+from pdserve.bench.plan.demand import load_trace
+from pdserve.bench.plan.recommend import Setting, Workload, parse_slo, recommend
+from pdserve.bench.slo import SLO
+
+from test_plan_sim import profile
+
+ITL_STRICT = {"itl": SLO(ttft_ms=3000, itl_ms=40)}
+
+
+def _pick(p, slos=ITL_STRICT, rate=3.0) -> str:
+    only = [d for d in candidates(2, conditional=False)]
+    s = Setting(p, Workload("long_prompts"), requests=40, reps=1, span_s=10)
+    return recommend(s, 2, slos, [rate], only=only)["best"]["itl"]["name"]
+
+
+def test_recommend_disaggregates_when_long_prefills_stall_decodes():
+    # a 1,600-token prefill takes ~160 ms: colocated, every decode beside it misses 40 ms
+    assert _pick(profile(prefill_per_token=0.1, decode=8.0)).startswith("disaggregated")
+
+
+def test_recommend_colocates_when_moving_the_kv_costs_more_than_the_stall():
+    # a 0.5 s transfer: every disaggregated request's second token is 0.5 s late
+    p = profile(prefill_per_token=0.01, decode=8.0, transfer=500.0)
+    assert _pick(p, {"itl": SLO(ttft_ms=3000, itl_ms=100)}).startswith("colocated")
+
+
+def test_candidates_for_two_units_are_the_benchmarks_deployments():
+    names = [d.name for d in candidates(2)]
+    assert names[:3] == ["colocated_2x1", "colocated_1x2", "disaggregated_1p1d"]
+    assert all(n.startswith("conditional_1p1d_") for n in names[3:])
+    assert {d.units for d in candidates(8)} == {8}
+
+
+def test_the_pick_is_printed_as_pdserve_up_flags_and_replica_counts():
+    d = next(d for d in candidates(8) if d.name == "conditional_3p5d_below512_sat2")
+    run = how_to_run(d, 1)
+    assert run["pdserve_up"][2:6] == ["--prefill-workers", "3", "--decode-workers", "5"]
+    assert "--local-prefill-below=512" in run["k8s"]["router_args"]
+    assert run["k8s"]["pdserve-prefill"] == 3 and run["k8s"]["pdserve-decode"] == 5
+
+
+def test_a_trace_with_sessions_chains_each_turn_on_the_conversation_before(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in [
+        {"t": 0.5, "prompt": 500, "output": 20, "session": "a"},
+        {"t": 0.0, "prompt": 100, "output": 10},
+        {"t": 9.0, "prompt": 600, "output": 20, "session": "a"}]) + "\n")
+    d = load_trace(trace)
+    assert d.arrivals == [0.0, 0.5]
+    later = d.sessions[1][1]
+    assert later.prefixes == (("a-0", 520),)
+
+
+def test_a_trace_line_without_lengths_is_refused(tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"t": 0, "prompt": 10}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        load_trace(trace)
+
+
+def test_slo_specs():
+    assert parse_slo("ttft_p99=250,itl_p99=40")[1] == SLO(250, 40)
+    assert parse_slo("balanced")[1] == SLO(750, 100)
+    with pytest.raises(ValueError, match="--slo"):
+        parse_slo("ttft=fast")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "nope"], "--workload"),
+    (["--slo", "itl=3"], "--slo"),
+    (["--devices", "0"], "--devices"),
+    (["--rate", "2,x"], "--rate"),
+    (["--rate", "-1"], "--rate"),
+])
+def test_recommend_refuses_bad_arguments(tmp_path, capsys, args, message):
+    path = tmp_path / "p.json"
+    profile().save(path)
+    base = {"--profile": str(path), "--workload": "short_chat", "--slo": "itl_strict",
+            "--devices": "2"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    argv = ["recommend", *[x for kv in base.items() for x in kv]]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_recommend_refuses_a_missing_profile(capsys):
+    assert main(["recommend", "--profile", "/nonexistent.json", "--workload", "short_chat",
+                 "--slo", "balanced", "--devices", "2"]) == 2
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_check_cases_pair_each_pick_with_another_familys_best():
+    result = {"candidates": [
+        {"name": n, "at": [{"goodput": {s: g for s in ("itl_strict", "ttft_strict", "balanced")}}]}
+        for n, g in (("colocated_2x1", 1.0), ("colocated_1x2", 2.0),
+                     ("conditional_1p1d_below512_sat2", 3.0), ("conditional_1p1d_below256_sat0", 2.9))],
+        "best": {s: {"name": "conditional_1p1d_below512_sat2"}
+                 for s in ("itl_strict", "ttft_strict", "balanced")}}
+    cases = check.cases_for(result, "long_prompts", 4.0)
+    assert {c["alternative"] for c in cases} == {"colocated_1x2"}
+    assert cases[0]["predicted_goodput"] == 3.0
