@@ -7,8 +7,9 @@ For N units and a profile of an engine on U units (`units_per_engine`), E = N / 
 - disaggregated, every P:D split of E (`disaggregated_1p1d`, ...): every prompt
   prefilled remotely unless the decode engine holds `local_cached_fraction` of it
   (the router's default, as `pdserve bench compare` runs it);
-- conditional, every split again, with the router's thresholds searched over a small
-  grid: `--local-prefill-below` and `--prefill-saturated`.
+- conditional, with the router's thresholds searched over a small grid
+  (`--local-prefill-below`, `--prefill-saturated`) at the P:D splits that did best
+  disaggregated (recommend.py).
 """
 from __future__ import annotations
 
@@ -19,20 +20,26 @@ SATURATED = (0, 2)              # --prefill-saturated values tried (0: off)
 
 
 def candidates(engines: int, conditional: bool = True) -> list[Deployment]:
-    """Every candidate for `engines` engines of the profiled size."""
+    """Every candidate for `engines` engines of the profiled size (with `conditional`,
+    the thresholds' grid at every split)."""
     if engines < 1:
         raise ValueError(f"need at least one engine's units, got {engines} engines")
     out = [Deployment(f"colocated_{engines // k}x{k}", prefill=0, decode=engines // k,
                       units_per_engine=k, gateway=False)
            for k in range(1, engines + 1) if engines % k == 0]
     for p in range(1, engines):
-        d = engines - p
-        out.append(Deployment(f"disaggregated_{p}p{d}d", prefill=p, decode=d))
+        out.append(Deployment(f"disaggregated_{p}p{engines - p}d", prefill=p,
+                              decode=engines - p))
         if conditional:
-            out += [Deployment(f"conditional_{p}p{d}d_below{b}_sat{s}", prefill=p, decode=d,
-                               local_prefill_below=b, prefill_saturated=s)
-                    for b in BELOW for s in SATURATED]
+            out += conditionals(p, engines - p)
     return out
+
+
+def conditionals(prefill: int, decode: int) -> list[Deployment]:
+    """The thresholds' grid at one P:D split."""
+    return [Deployment(f"conditional_{prefill}p{decode}d_below{b}_sat{s}", prefill=prefill,
+                       decode=decode, local_prefill_below=b, prefill_saturated=s)
+            for b in BELOW for s in SATURATED]
 
 
 def up_flags(dep: Deployment) -> list[str] | None:

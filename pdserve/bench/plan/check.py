@@ -98,9 +98,12 @@ def measure(deps: list[Deployment], needs: dict[str, list[str]], plan: dict, mod
             for w in todo:
                 rate, n = plan[w]
                 progress(f"{dep.name}: {w} at {rate}/s, {n} requests")
+                load0 = os.getloadavg()[0]
                 result = asyncio.run(run(BUILDERS[w](tokenizer, n, seed), urls, model, rate, seed))
                 summary = _summary(result, tokenizer, DEFAULT_MIXES)
                 summary.pop("samples")
+                # the machine is shared: what else ran shows in its load
+                summary["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
                 _cache_path(folder, dep.name, w, rate, n, seed).write_text(json.dumps(summary))
         finally:
             stack.stop()

@@ -17,15 +17,16 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from .candidates import candidates, how_to_run
+from .candidates import candidates, conditionals, how_to_run
 from .demand import BUILDERS, Demand, load_trace
 from .profile import Profile
 from .sim import Deployment, Knobs, simulate
 from ..slo import DEFAULT_MIXES, SLO
 
 TIE = 0.02
-SPAN_S = 60.0          # a sustained-rate run's arrivals last at least this long ...
-MAX_REQUESTS = 3000    # ... within this many requests
+SPAN_S = 40.0          # a sustained-rate run's arrivals last at least this long ...
+MAX_REQUESTS = 1500    # ... within this many requests
+SPLITS = 2             # conditional thresholds are tried at this many best P:D splits
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,24 +138,36 @@ def _kind_order(name: str) -> int:
     return ("colocated", "disaggregated", "conditional").index(name.split("_")[0])
 
 
+def _score(row: dict, slo: str, by_rate: bool) -> float:
+    return row["at"][0]["goodput"][slo] if by_rate else row["sustained"][slo]
+
+
 def best(rows: list[dict], slo: str, by_rate: bool) -> dict:
     """The row to recommend for `slo` (module docstring)."""
-    def goodput(r: dict) -> float:
-        return r["at"][0]["goodput"][slo] if by_rate else r["sustained"][slo]
-    top = max(goodput(r) for r in rows)
-    near = [r for r in rows if goodput(r) >= top * (1 - TIE)]
+    top = max(_score(r, slo, by_rate) for r in rows)
+    near = [r for r in rows if _score(r, slo, by_rate) >= top * (1 - TIE)]
     return max(near, key=lambda r: (r["sustained"][slo], -_kind_order(r["name"])))
+
+
+def _row(s: Setting, dep: Deployment, slos: dict[str, SLO], rates: list[float],
+         attainment: float) -> dict:
+    return {"name": dep.name, "deployment": dep, "at": [predict(s, dep, r, slos) for r in rates],
+            "sustained": sustained(s, dep, slos, attainment,
+                                   start=(s.workload.native_rate() or 1.0) / 10)}
 
 
 def recommend(s: Setting, engines: int, slos: dict[str, SLO], rates: list[float],
               attainment: float = 0.9, only: list[Deployment] | None = None) -> dict:
-    """Every candidate's predictions and the best per SLO."""
-    rows = []
-    for dep in only or candidates(engines):
-        rows.append({"name": dep.name, "deployment": dep,
-                     "at": [predict(s, dep, r, slos) for r in rates],
-                     "sustained": sustained(s, dep, slos, attainment,
-                                            start=(s.workload.native_rate() or 1.0) / 10)})
+    """Every candidate's predictions and the best per SLO. Conditional thresholds are
+    searched only at the P:D splits that did best disaggregated, per SLO (`SPLITS`)."""
+    rows = [_row(s, d, slos, rates, attainment) for d in only or candidates(engines, False)]
+    if only is None:
+        pd = [r for r in rows if r["deployment"].prefill]
+        # by sustained rate: at one modest rate the splits mostly tie
+        splits = {(r["deployment"].prefill, r["deployment"].decode) for n in slos
+                  for r in sorted(pd, key=lambda r: -r["sustained"][n])[:SPLITS]}
+        rows += [_row(s, d, slos, rates, attainment)
+                 for p, d_ in sorted(splits) for d in conditionals(p, d_)]
     picks = {}
     for n in slos:
         b = best(rows, n, bool(rates))
@@ -179,6 +192,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="simulated runs per point, averaged")
     p.add_argument("--attainment", type=float, default=0.9,
                    help="share of requests meeting the SLO that counts as sustained")
+    p.add_argument("--unit-speedup-prefill", type=float, default=Knobs().unit_speedup_prefill,
+                   help="an engine on k units prefills 1 + this x (k - 1) times faster than "
+                        "the profiled one (beyond the fixed step cost)")
+    p.add_argument("--unit-speedup-decode", type=float, default=Knobs().unit_speedup_decode,
+                   help="the same for a decode step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -207,7 +225,12 @@ def setting_from(a: argparse.Namespace) -> tuple[Setting, dict[str, SLO], list[f
     except (OSError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"--profile {a.profile}: {e}") from e
     slos = dict(parse_slo(x) for x in a.slo)
-    return Setting(profile, workload(a.workload), a.requests, a.reps, a.seed), slos, rates
+    if a.unit_speedup_prefill < 0 or a.unit_speedup_decode < 0:
+        raise ValueError("--unit-speedup-prefill and --unit-speedup-decode must be >= 0")
+    knobs = Knobs(unit_speedup_prefill=a.unit_speedup_prefill,
+                  unit_speedup_decode=a.unit_speedup_decode)
+    return (Setting(profile, workload(a.workload), a.requests, a.reps, a.seed, knobs),
+            slos, rates)
 
 
 def table(result: dict, slos: list[str]) -> str:
