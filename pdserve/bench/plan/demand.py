@@ -9,7 +9,8 @@ names the earlier content it starts with (`prefixes`), which is what an engine's
 prefix cache can hold.
 
 Trace files are JSONL, one request a line (docs/planning.md, "Workloads"):
-    {"t": 0.12, "prompt": 900, "output": 40, "session": "u7", "shared": "sys-a", "shared_tokens": 400}
+    {"t": 0.12, "prompt": 900, "output": 40, "session": "u7",
+     "shared": "sys-a", "shared_tokens": 400}
 `t` is the arrival in seconds; within a session only the first turn's `t` counts, later
 turns are sent when the previous answer is in. `shared`/`shared_tokens` name a shared
 system prompt at the start of the prompt (optional).

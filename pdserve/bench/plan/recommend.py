@@ -192,13 +192,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="simulated runs per point, averaged")
     p.add_argument("--attainment", type=float, default=0.9,
                    help="share of requests meeting the SLO that counts as sustained")
+    add_knob_arguments(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_knob_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unit-speedup-prefill", type=float, default=Knobs().unit_speedup_prefill,
                    help="an engine on k units prefills 1 + this x (k - 1) times faster than "
                         "the profiled one (beyond the fixed step cost)")
     p.add_argument("--unit-speedup-decode", type=float, default=Knobs().unit_speedup_decode,
                    help="the same for a decode step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def knobs_from(a: argparse.Namespace) -> Knobs:
+    if a.unit_speedup_prefill < 0 or a.unit_speedup_decode < 0:
+        raise ValueError("--unit-speedup-prefill and --unit-speedup-decode must be >= 0")
+    return Knobs(unit_speedup_prefill=a.unit_speedup_prefill,
+                 unit_speedup_decode=a.unit_speedup_decode)
 
 
 def _engines(profile: Profile, devices: int) -> int:
@@ -225,11 +236,7 @@ def setting_from(a: argparse.Namespace) -> tuple[Setting, dict[str, SLO], list[f
     except (OSError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"--profile {a.profile}: {e}") from e
     slos = dict(parse_slo(x) for x in a.slo)
-    if a.unit_speedup_prefill < 0 or a.unit_speedup_decode < 0:
-        raise ValueError("--unit-speedup-prefill and --unit-speedup-decode must be >= 0")
-    knobs = Knobs(unit_speedup_prefill=a.unit_speedup_prefill,
-                  unit_speedup_decode=a.unit_speedup_decode)
-    return (Setting(profile, workload(a.workload), a.requests, a.reps, a.seed, knobs),
+    return (Setting(profile, workload(a.workload), a.requests, a.reps, a.seed, knobs_from(a)),
             slos, rates)
 
 

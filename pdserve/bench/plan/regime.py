@@ -2,25 +2,30 @@
 
 Each cell simulates the long-prompt mix with its long prompts stretched to the cell's
 length (half the requests that long with 16 output tokens, half 128-token prompts
-decoding 64: long prefills land among decodes) at the cell's rate, over every
-candidate, and picks as recommend does at a rate: the highest goodput, near-ties
-(within 2%) to the simpler deployment. Printed as a markdown table; `--png` draws it.
+decoding 64: long prefills land among decodes) at the cell's rate, over the
+candidates (conditional thresholds at the two best P:D splits), and picks as recommend
+does at a rate: the highest goodput, near-ties (within 2%) to the simpler deployment.
+Printed as a markdown table; `--png` draws it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from .candidates import candidates
+from .candidates import candidates, conditionals
 from .demand import long_context
 from .profile import Profile
-from .recommend import TIE, parse_slo
-from .sim import simulate
+from .recommend import TIE, add_knob_arguments, knobs_from, parse_slo
+from .sim import Deployment, Knobs, simulate
+from ..slo import SLO
 
 FAMILIES = ("colocated_1x2", "colocated_2x1", "disaggregated", "conditional")
+SPAN_S = 20.0          # a cell's arrivals last at least this long ...
+MAX_REQUESTS = 800     # ... within this many requests
 
 
 def family(name: str) -> str:
@@ -30,23 +35,44 @@ def family(name: str) -> str:
     return name.split("_")[0]
 
 
-def pick(profile: Profile, engines: int, length: int, rate: float, slo, requests: int,
-         reps: int) -> tuple[str, float]:
-    """(the best candidate, its goodput) for one cell."""
-    scores = []
-    for order, dep in enumerate(candidates(engines)):
-        runs = [simulate(profile, dep, long_context(requests, k, length), rate, k)
-                for k in range(reps)]
-        scores.append((mean(r.goodput(slo.ttft_ms, slo.itl_ms) for r in runs), -order, dep.name))
-    top = max(s[0] for s in scores)
-    best = max((s for s in scores if s[0] >= top * (1 - TIE)), key=lambda s: s[1])
-    return best[2], round(best[0], 3)
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One cell's simulation: its long prompts' length and its rate."""
+
+    profile: Profile
+    length: int
+    rate: float
+    slo: SLO
+    requests: int = 60
+    reps: int = 2
+    knobs: Knobs = Knobs()
+
+    def goodput(self, dep: Deployment) -> float:
+        n = min(MAX_REQUESTS, max(self.requests, int(self.rate * SPAN_S)))
+        return mean(simulate(self.profile, dep, long_context(n, k, self.length), self.rate, k,
+                             self.knobs).goodput(self.slo.ttft_ms, self.slo.itl_ms)
+                    for k in range(self.reps))
 
 
-def regime_map(profile: Profile, engines: int, lengths: list[int], rates: list[float], slo,
-               requests: int = 60, reps: int = 2) -> list[dict]:
-    return [{"prompt_tokens": n, "rate": r,
-             **dict(zip(("pick", "goodput"), pick(profile, engines, n, r, slo, requests, reps)))}
+def pick(cell: Cell, engines: int) -> tuple[str, float]:
+    """(the best candidate, its goodput) for one cell; conditional thresholds are tried
+    at the two best P:D splits."""
+    base = candidates(engines, conditional=False)
+    scores = [(cell.goodput(d), d) for d in base]
+    pd = sorted((s for s in scores if s[1].prefill), key=lambda s: -s[0])[:2]
+    scores += [(cell.goodput(d), d)
+               for _, top in pd for d in conditionals(top.prefill, top.decode)]
+    order = {d.name: i for i, (_, d) in enumerate(scores)}
+    best = max(g for g, _ in scores)
+    # near-ties go to the simpler deployment: the earlier candidate
+    g, dep = min((s for s in scores if s[0] >= best * (1 - TIE)), key=lambda s: order[s[1].name])
+    return dep.name, round(g, 3)
+
+
+def regime_map(profile: Profile, engines: int, lengths: list[int], rates: list[float], slo: SLO,
+               requests: int = 60, knobs: Knobs = Knobs()) -> list[dict]:
+    return [{"prompt_tokens": n, "rate": r, **dict(zip(("pick", "goodput"), pick(
+             Cell(profile, n, r, slo, requests, knobs=knobs), engines)))}
             for n in lengths for r in rates]
 
 
@@ -99,6 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="0.5,1,2,4,8", help="offered rates (requests/s)")
     p.add_argument("--requests", type=int, default=60, help="requests per simulated run")
     p.add_argument("--png", default="", help="draw the map here")
+    add_knob_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -110,11 +137,12 @@ def main(a: argparse.Namespace) -> int:
         rates = [float(x) for x in a.rates.split(",")]
         if a.devices < profile.units_per_engine or min(lengths) < 1 or min(rates) <= 0:
             raise ValueError("--devices must hold one engine; lengths and rates must be > 0")
+        knobs = knobs_from(a)
     except (OSError, ValueError, TypeError) as e:
         print(f"pdserve plan map: {e}", file=sys.stderr)
         return 2
     cells = regime_map(profile, a.devices // profile.units_per_engine, lengths, rates, slo,
-                       a.requests)
+                       a.requests, knobs)
     if a.png:
         plot(cells, f"{profile.model} on {a.devices} {profile.device} units, SLO {name}: "
                     f"TTFT <= {slo.ttft_ms:g} ms, gap <= {slo.itl_ms:g} ms", Path(a.png))

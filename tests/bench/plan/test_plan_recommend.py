@@ -102,7 +102,8 @@ def test_check_cases_pair_each_pick_with_another_familys_best():
     result = {"candidates": [
         {"name": n, "at": [{"goodput": {s: g for s in ("itl_strict", "ttft_strict", "balanced")}}]}
         for n, g in (("colocated_2x1", 1.0), ("colocated_1x2", 2.0),
-                     ("conditional_1p1d_below512_sat2", 3.0), ("conditional_1p1d_below256_sat0", 2.9))],
+                     ("conditional_1p1d_below512_sat2", 3.0),
+                     ("conditional_1p1d_below256_sat0", 2.9))],
         "best": {s: {"name": "conditional_1p1d_below512_sat2"}
                  for s in ("itl_strict", "ttft_strict", "balanced")}}
     cases = check.cases_for(result, "long_prompts", 4.0)
