@@ -7,6 +7,8 @@
     pdserve plan check --profile P [--quick] [--json]
                                  run the recommended deployment and the best alternative on
                                  the benchmark's workloads; predicted vs measured goodput
+    pdserve plan calibrate --profile P [--compare bench/results/compare.json]
+                                 the simulator against every run of a compare result
     pdserve plan map --profile P [--png PATH] [--json]
                                  which deployment the planner picks by prompt length and rate
 """
@@ -35,6 +37,9 @@ def commands() -> dict:
             "check": _subcommand("check", "check",
                                  "Run the recommended deployment and the best alternative "
                                  "through the benchmark's runner; predicted vs measured."),
+            "calibrate": _subcommand("calibrate", "calibrate",
+                                     "The simulator against every run of a `pdserve bench "
+                                     "compare` result: predicted vs measured goodput."),
             "map": _subcommand("map", "regime",
                                "Which deployment the planner picks by prompt length and "
                                "rate: a table and a PNG.")}
