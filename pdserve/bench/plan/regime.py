@@ -54,6 +54,12 @@ class Cell:
                     for k in range(self.reps))
 
 
+def short(name: str) -> str:
+    """'conditional_6p2d_below256_sat0' -> 'conditional 6p2d\n<256 sat0'."""
+    kind, shape, *knobs = name.split("_")
+    return f"{kind} {shape}" + (f"\n<{knobs[0][5:]} {knobs[1]}" if knobs else "")
+
+
 def pick(cell: Cell, engines: int) -> tuple[str, float]:
     """(the best candidate, its goodput) for one cell; conditional thresholds are tried
     at the two best P:D splits."""
@@ -105,7 +111,7 @@ def plot(cells: list[dict], title: str, path: Path) -> None:
     for i, n in enumerate(lengths):
         for j, r in enumerate(rates):
             c = next(c for c in cells if c["prompt_tokens"] == n and c["rate"] == r)
-            ax.text(j, i, f"{family(c['pick'])}\n{c['goodput']:g}/s", ha="center",
+            ax.text(j, i, f"{short(c['pick'])}\n{c['goodput']:g}/s", ha="center",
                     va="center", fontsize=7)
     ax.set_xticks(range(len(rates)), [f"{r:g}" for r in rates])
     ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
