@@ -76,9 +76,11 @@ def fixed_step_ms(profile: Profile) -> float:
 class EngineModel:
     """One engine's queue, running batch and prefix cache."""
 
-    def __init__(self, profile: Profile, speed: Speed = Speed(), name: str = ""):
+    def __init__(self, profile: Profile, speed: Speed = Speed(), name: str = "",
+                 slowdown: float = 1.0):
         self.profile = profile
         self.speed = speed
+        self.slowdown = slowdown        # whole steps: cores shared with other processes
         self.name = name
         self.fixed = fixed_step_ms(profile)
         self.waiting: deque[Job] = deque()
@@ -159,7 +161,7 @@ class EngineModel:
                                       sum(j.context for j in decodes) / len(decodes))
                   if decodes else 0.0)
         # NOTE: a step that only starts KV loads still costs the fixed part.
-        out = StepResult(ms=self.fixed + prefill + decode)
+        out = StepResult(ms=(self.fixed + prefill + decode) * self.slowdown)
         for job, n in chunks:
             job.todo -= n
             if not job.todo:

@@ -27,6 +27,9 @@ TIE = 0.02
 SPAN_S = 40.0          # a sustained-rate run's arrivals last at least this long ...
 MAX_REQUESTS = 1500    # ... within this many requests
 SPLITS = 2             # conditional thresholds are tried at this many best P:D splits
+# On one CPU machine the load's client, the edge and the router share the engines' cores:
+# fit to bench/results/compare.json with `pdserve plan calibrate` (docs/planning.md).
+CPU_HOST = Knobs(host_request_ms=10.0, host_token_ms=1.0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -203,13 +206,24 @@ def add_knob_arguments(p: argparse.ArgumentParser) -> None:
                         "the profiled one (beyond the fixed step cost)")
     p.add_argument("--unit-speedup-decode", type=float, default=Knobs().unit_speedup_decode,
                    help="the same for a decode step")
+    p.add_argument("--host-request-ms", type=float, default=None,
+                   help="CPU ms a request costs the clients and gateway on the engines' own "
+                        f"cores (default: {CPU_HOST.host_request_ms:g} for a cpu profile, "
+                        "where they share the machine; 0 for cuda)")
+    p.add_argument("--host-token-ms", type=float, default=None,
+                   help=f"the same per streamed token (default: {CPU_HOST.host_token_ms:g} "
+                        "for a cpu profile, 0 for cuda)")
 
 
-def knobs_from(a: argparse.Namespace) -> Knobs:
-    if a.unit_speedup_prefill < 0 or a.unit_speedup_decode < 0:
-        raise ValueError("--unit-speedup-prefill and --unit-speedup-decode must be >= 0")
-    return Knobs(unit_speedup_prefill=a.unit_speedup_prefill,
-                 unit_speedup_decode=a.unit_speedup_decode)
+def knobs_from(a: argparse.Namespace, device: str) -> Knobs:
+    """The modelling knobs the flags give, the host's share by the profile's device."""
+    host = CPU_HOST if device == "cpu" else Knobs()
+    values = {k: getattr(a, k) for k in ("unit_speedup_prefill", "unit_speedup_decode")} | {
+        k: getattr(host, k) if getattr(a, k) is None else getattr(a, k)
+        for k in ("host_request_ms", "host_token_ms")}
+    if bad := [k for k, v in values.items() if v < 0]:
+        raise ValueError(f"--{bad[0].replace('_', '-')} must be >= 0")
+    return Knobs(**values)
 
 
 def _engines(profile: Profile, devices: int) -> int:
@@ -236,8 +250,8 @@ def setting_from(a: argparse.Namespace) -> tuple[Setting, dict[str, SLO], list[f
     except (OSError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"--profile {a.profile}: {e}") from e
     slos = dict(parse_slo(x) for x in a.slo)
-    return (Setting(profile, workload(a.workload), a.requests, a.reps, a.seed, knobs_from(a)),
-            slos, rates)
+    knobs = knobs_from(a, profile.device)
+    return Setting(profile, workload(a.workload), a.requests, a.reps, a.seed, knobs), slos, rates
 
 
 def table(result: dict, slos: list[str]) -> str:

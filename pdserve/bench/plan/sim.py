@@ -22,6 +22,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from statistics import mean
+
 import numpy as np
 
 from .demand import Demand, Turn, arrival_times
@@ -111,6 +113,18 @@ class Knobs:
     unit_speedup_decode: float = 0.3
     kv_wait_steps: int = 1              # steps a decode engine waits for pulled KV
     stock_request_ms: float = 0.0       # a stock server's own HTTP cost per request
+    # CPU time the load's client (and pdserve's edge and router) take from the engines'
+    # own cores, per request and per streamed token: 0 where they run elsewhere
+    host_request_ms: float = 0.0
+    host_token_ms: float = 0.0
+
+    def slowdown(self, demand: Demand, rate: float, units: int) -> float:
+        """How much longer every engine step takes when the host's share of the cores
+        is taken from the engines: 1 / (1 - share), the share at the offered load."""
+        turns = demand.requests or [t for s in demand.sessions for t in s]
+        per_s = rate * demand.total_requests / demand.units
+        ms = per_s * (self.host_request_ms + self.host_token_ms * mean(t.output for t in turns))
+        return 1 / (1 - min(0.9, ms / 1000 / units))
 
 
 @dataclass
@@ -121,6 +135,7 @@ class _Run:
     dep: Deployment
     demand: Demand
     knobs: Knobs
+    rate: float
     prefill: list[EngineModel] = field(default_factory=list)
     decode: list[EngineModel] = field(default_factory=list)
     events: list = field(default_factory=list)
@@ -132,9 +147,10 @@ class _Run:
     def __post_init__(self) -> None:
         k, u = self.knobs, self.dep.units_per_engine
         speed = Speed(1 + k.unit_speedup_prefill * (u - 1), 1 + k.unit_speedup_decode * (u - 1))
-        self.prefill = [EngineModel(self.profile, name=f"prefill-{i}")
+        slow = k.slowdown(self.demand, self.rate, self.dep.units)
+        self.prefill = [EngineModel(self.profile, name=f"prefill-{i}", slowdown=slow)
                         for i in range(self.dep.prefill)]
-        self.decode = [EngineModel(self.profile, speed, f"decode-{i}")
+        self.decode = [EngineModel(self.profile, speed, f"decode-{i}", slow)
                        for i in range(self.dep.decode)]
         o = self.profile.overheads
         self.gateway_ms = (o.edge_request_ms + o.router_request_ms + o.edge_token_ms
@@ -222,9 +238,10 @@ class _Run:
             self.at(t, self.send, self.demand.sessions[f.session][f.index + 1],
                     f.session, f.index + 1)
 
-    def run(self, rate: float, seed: int) -> SimResult:
+    def run(self, seed: int) -> SimResult:
         d = self.demand
-        starts = d.arrivals if d.arrivals is not None else arrival_times(d.units, rate, seed)
+        starts = (d.arrivals if d.arrivals is not None
+                  else arrival_times(d.units, self.rate, seed))
         for i, t in enumerate(starts):
             if d.sessions:
                 self.at(t, self.send, d.sessions[i][0], i, 0)
@@ -239,4 +256,4 @@ class _Run:
 def simulate(profile: Profile, dep: Deployment, demand: Demand, rate: float, seed: int = 0,
              knobs: Knobs = Knobs()) -> SimResult:
     """Serve `demand` at `rate` (requests/s; sessions/s for sessions) on `dep`."""
-    return _Run(profile, dep, demand, knobs).run(rate, seed)
+    return _Run(profile, dep, demand, knobs, rate).run(seed)
