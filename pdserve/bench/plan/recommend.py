@@ -118,7 +118,7 @@ def sustained(s: Setting, dep: Deployment, slos: dict[str, SLO], attainment: flo
     def att(rate: float) -> dict[str, float]:
         n = min(MAX_REQUESTS, max(s.requests, int(rate * s.span_s)))
         runs = dataclasses.replace(s, requests=n, reps=min(s.reps, 2)).runs(dep, rate)
-        return {k: mean(r.attainment(x.ttft_ms, x.itl_ms, n / rate / 2) for r in runs)
+        return {k: mean(r.attainment(x.ttft_ms, x.itl_ms, r.median_sent_s()) for r in runs)
                 for k, x in slos.items()}
     ok = dict.fromkeys(slos, 0.0)
     bad: dict[str, float] = {}

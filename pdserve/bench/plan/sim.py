@@ -86,6 +86,10 @@ class SimResult:
                for o in self.outcomes if o.sent_s >= after_s]
         return sum(got) / len(got) if got else 0.0
 
+    def median_sent_s(self) -> float:
+        """When half the requests had been sent."""
+        return float(np.median([o.sent_s for o in self.outcomes])) if self.outcomes else 0.0
+
     def p99(self, what: str) -> float:
         values = [getattr(o, what) for o in self.outcomes]
         return float(np.percentile(values, 99)) if values else 0.0

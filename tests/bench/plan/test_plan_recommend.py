@@ -109,3 +109,13 @@ def test_check_cases_pair_each_pick_with_another_familys_best():
     cases = check.cases_for(result, "long_prompts", 4.0)
     assert {c["alternative"] for c in cases} == {"colocated_1x2"}
     assert cases[0]["predicted_goodput"] == 3.0
+
+
+def test_sessions_sustain_a_rate_counted_in_sessions():
+    from pdserve.bench.plan.recommend import sustained
+    from pdserve.bench.plan.sim import Deployment
+    s = Setting(profile(prefill_per_token=0.01, decode=5.0), Workload("sessions"),
+                requests=24, reps=1, span_s=5)
+    got = sustained(s, Deployment("one", decode=1, gateway=False),
+                    {"loose": SLO(ttft_ms=2000, itl_ms=200)})
+    assert got["loose"] > 0.5
