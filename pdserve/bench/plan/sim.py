@@ -113,8 +113,8 @@ class _Flight:
 class Knobs:
     """Engine-level modelling choices (docs/planning.md, "Recommend")."""
 
-    unit_speedup_prefill: float = 0.9   # each extra unit of an engine adds this x one unit
-    unit_speedup_decode: float = 0.3
+    unit_speedup_prefill: float = 0.7   # each extra unit of an engine adds this x one unit
+    unit_speedup_decode: float = 0.0    # (both fit on the 2-core machine: calibrate)
     kv_wait_steps: int = 1              # steps a decode engine waits for pulled KV
     stock_request_ms: float = 0.0       # a stock server's own HTTP cost per request
     # CPU time the load's client (and pdserve's edge and router) take from the engines'
