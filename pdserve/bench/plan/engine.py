@@ -77,10 +77,12 @@ class EngineModel:
     """One engine's queue, running batch and prefix cache."""
 
     def __init__(self, profile: Profile, speed: Speed = Speed(), name: str = "",
-                 slowdown: float = 1.0):
+                 slowdown: float = 1.0, serve: tuple[float, float] = (0.0, 0.0)):
         self.profile = profile
         self.speed = speed
         self.slowdown = slowdown        # whole steps: cores shared with other processes
+        # the server's own output path, ms a step that streams and ms a streamed token
+        self.serve_step_ms, self.serve_token_ms = serve
         self.name = name
         self.fixed = fixed_step_ms(profile)
         self.waiting: deque[Job] = deque()
@@ -167,6 +169,8 @@ class EngineModel:
             if not job.todo:
                 (out.prefilled if job.emit == 0 else out.tokens).append(job)
         out.tokens += decodes
+        if streamed := len(out.tokens) + len(out.prefilled):
+            out.ms += self.serve_step_ms + self.serve_token_ms * streamed
         for job in out.tokens:
             job.emitted += 1
         out.finished = [j for j in out.tokens if j.emitted >= j.emit] + out.prefilled

@@ -27,9 +27,11 @@ TIE = 0.02
 SPAN_S = 40.0          # a sustained-rate run's arrivals last at least this long ...
 MAX_REQUESTS = 1500    # ... within this many requests
 SPLITS = 2             # conditional thresholds are tried at this many best P:D splits
-# On one CPU machine the load's client, the edge and the router share the engines' cores:
-# fit to bench/results/compare.json with `pdserve plan calibrate` (docs/planning.md).
-CPU_HOST = Knobs(host_request_ms=10.0, host_token_ms=1.0)
+# On one CPU machine the load's client, the edge and the router share the engines' cores,
+# and the server's output path runs between engine steps: fit to bench/results/compare.json
+# with `pdserve plan calibrate` (docs/planning.md).
+CPU_HOST = Knobs(host_request_ms=10.0, host_token_ms=1.0, serve_step_ms=5.0,
+                 serve_token_ms=0.2)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -213,6 +215,13 @@ def add_knob_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-token-ms", type=float, default=None,
                    help=f"the same per streamed token (default: {CPU_HOST.host_token_ms:g} "
                         "for a cpu profile, 0 for cuda)")
+    p.add_argument("--serve-step-ms", type=float, default=None,
+                   help="ms the serving process adds to an engine step that streams tokens "
+                        f"(output path) (default: {CPU_HOST.serve_step_ms:g} for a cpu "
+                        "profile, 0 for cuda)")
+    p.add_argument("--serve-token-ms", type=float, default=None,
+                   help=f"the same per streamed token (default: {CPU_HOST.serve_token_ms:g} "
+                        "for a cpu profile, 0 for cuda)")
 
 
 def knobs_from(a: argparse.Namespace, device: str) -> Knobs:
@@ -220,7 +229,7 @@ def knobs_from(a: argparse.Namespace, device: str) -> Knobs:
     host = CPU_HOST if device == "cpu" else Knobs()
     values = {k: getattr(a, k) for k in ("unit_speedup_prefill", "unit_speedup_decode")} | {
         k: getattr(host, k) if getattr(a, k) is None else getattr(a, k)
-        for k in ("host_request_ms", "host_token_ms")}
+        for k in ("host_request_ms", "host_token_ms", "serve_step_ms", "serve_token_ms")}
     if bad := [k for k, v in values.items() if v < 0]:
         raise ValueError(f"--{bad[0].replace('_', '-')} must be >= 0")
     return Knobs(**values)

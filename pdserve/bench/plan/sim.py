@@ -121,6 +121,10 @@ class Knobs:
     # own cores, per request and per streamed token: 0 where they run elsewhere
     host_request_ms: float = 0.0
     host_token_ms: float = 0.0
+    # what the serving process adds to an engine step beyond the profiled engine (the
+    # output path: detokenizing, streaming), per step that streams and per streamed token
+    serve_step_ms: float = 0.0
+    serve_token_ms: float = 0.0
 
     def slowdown(self, demand: Demand, rate: float, units: int) -> float:
         """How much longer every engine step takes when the host's share of the cores
@@ -152,9 +156,10 @@ class _Run:
         k, u = self.knobs, self.dep.units_per_engine
         speed = Speed(1 + k.unit_speedup_prefill * (u - 1), 1 + k.unit_speedup_decode * (u - 1))
         slow = k.slowdown(self.demand, self.rate, self.dep.units)
-        self.prefill = [EngineModel(self.profile, name=f"prefill-{i}", slowdown=slow)
+        serve = (k.serve_step_ms, k.serve_token_ms)
+        self.prefill = [EngineModel(self.profile, Speed(), f"prefill-{i}", slow, serve)
                         for i in range(self.dep.prefill)]
-        self.decode = [EngineModel(self.profile, speed, f"decode-{i}", slow)
+        self.decode = [EngineModel(self.profile, speed, f"decode-{i}", slow, serve)
                        for i in range(self.dep.decode)]
         o = self.profile.overheads
         self.gateway_ms = (o.edge_request_ms + o.router_request_ms + o.edge_token_ms
