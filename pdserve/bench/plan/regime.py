@@ -60,9 +60,9 @@ def short(name: str) -> str:
     return f"{kind} {shape}" + (f"\n<{knobs[0][5:]} {knobs[1]}" if knobs else "")
 
 
-def pick(cell: Cell, engines: int) -> tuple[str, float]:
-    """(the best candidate, its goodput) for one cell; conditional thresholds are tried
-    at the two best P:D splits."""
+def pick(cell: Cell, engines: int) -> dict:
+    """The best candidate and its goodput for one cell, and the best of every family;
+    conditional thresholds are tried at the two best P:D splits."""
     base = candidates(engines, conditional=False)
     scores = [(cell.goodput(d), d) for d in base]
     pd = sorted((s for s in scores if s[1].prefill), key=lambda s: -s[0])[:2]
@@ -72,13 +72,16 @@ def pick(cell: Cell, engines: int) -> tuple[str, float]:
     best = max(g for g, _ in scores)
     # near-ties go to the simpler deployment: the earlier candidate
     g, dep = min((s for s in scores if s[0] >= best * (1 - TIE)), key=lambda s: order[s[1].name])
-    return dep.name, round(g, 3)
+    families: dict[str, float] = {}
+    for score, d in scores:
+        families[family(d.name)] = max(families.get(family(d.name), 0.0), round(score, 3))
+    return {"pick": dep.name, "goodput": round(g, 3), "by_family": families}
 
 
 def regime_map(profile: Profile, engines: int, lengths: list[int], rates: list[float], slo: SLO,
                requests: int = 60, knobs: Knobs = Knobs()) -> list[dict]:
-    return [{"prompt_tokens": n, "rate": r, **dict(zip(("pick", "goodput"), pick(
-             Cell(profile, n, r, slo, requests, knobs=knobs), engines)))}
+    return [{"prompt_tokens": n, "rate": r,
+             **pick(Cell(profile, n, r, slo, requests, knobs=knobs), engines)}
             for n in lengths for r in rates]
 
 
@@ -89,9 +92,18 @@ def table(cells: list[dict]) -> str:
              "|---" * (len(rates) + 1) + "|"]
     for n in sorted({c["prompt_tokens"] for c in cells}):
         row = {c["rate"]: c for c in cells if c["prompt_tokens"] == n}
-        lines.append(f"| {n} | " + " | ".join(
-            f"{row[r]['pick']} ({row[r]['goodput']:g})" for r in rates) + " |")
+        lines.append(f"| {n} | " + " | ".join(_cell(row[r]) for r in rates) + " |")
     return "\n".join(lines)
+
+
+def _cell(c: dict) -> str:
+    """'disaggregated_1p1d 3.88 (colocated_2x1 3.20)': the pick, and the best family on
+    the other side of the colocated / prefill-elsewhere line."""
+    def side(name: str) -> bool:
+        return name.startswith("colocated")
+    others = {f: g for f, g in c.get("by_family", {}).items() if side(f) != side(c["pick"])}
+    rival = max(others, key=others.get) if others else ""
+    return f"{c['pick']} {c['goodput']:g}" + (f" ({rival} {others[rival]:g})" if rival else "")
 
 
 def plot(cells: list[dict], title: str, path: Path) -> None:
