@@ -116,6 +116,6 @@ def test_sessions_sustain_a_rate_counted_in_sessions():
     from pdserve.bench.plan.sim import Deployment
     s = Setting(profile(prefill_per_token=0.01, decode=5.0), Workload("sessions"),
                 requests=24, reps=1, span_s=5)
-    got = sustained(s, Deployment("one", decode=1, gateway=False),
-                    {"loose": SLO(ttft_ms=2000, itl_ms=200)})
+    got, _ = sustained(s, Deployment("one", decode=1, gateway=False),
+                       {"loose": SLO(ttft_ms=2000, itl_ms=200)})
     assert got["loose"] > 0.5
