@@ -198,6 +198,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                               "for sessions); default: rank by sustained rate")
     p.add_argument("--requests", type=int, default=120, help="requests per simulated run")
     p.add_argument("--reps", type=int, default=3, help="simulated runs per point, averaged")
+    p.add_argument("--span-s", type=float, default=SPAN_S,
+                   help="a sustained-rate run's arrivals last at least this long (s); "
+                        f"the search stops at {MAX_REQUESTS} requests")
     p.add_argument("--attainment", type=float, default=0.9,
                    help="share of requests meeting the SLO that counts as sustained")
     add_knob_arguments(p)
@@ -247,8 +250,8 @@ def _engines(profile: Profile, devices: int) -> int:
 
 def setting_from(a: argparse.Namespace) -> tuple[Setting, dict[str, SLO], list[float]]:
     """Validated inputs of recommend (ValueError names the flag)."""
-    if a.requests < 1 or a.reps < 1:
-        raise ValueError("--requests and --reps must be >= 1")
+    if a.requests < 1 or a.reps < 1 or a.span_s <= 0:
+        raise ValueError("--requests and --reps must be >= 1, --span-s > 0")
     if not 0 < a.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {a.attainment}")
     try:
@@ -263,7 +266,8 @@ def setting_from(a: argparse.Namespace) -> tuple[Setting, dict[str, SLO], list[f
         raise ValueError(f"--profile {a.profile}: {e}") from e
     slos = dict(parse_slo(x) for x in a.slo)
     knobs = knobs_from(a, profile.device)
-    return Setting(profile, workload(a.workload), a.requests, a.reps, a.seed, knobs), slos, rates
+    return (Setting(profile, workload(a.workload), a.requests, a.reps, a.seed, knobs,
+                    span_s=a.span_s), slos, rates)
 
 
 def table(result: dict, slos: list[str]) -> str:
