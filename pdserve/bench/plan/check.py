@@ -147,7 +147,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the cases from the measurements held, start nothing")
     p.add_argument("--model", default="", help="model dir (default: the tiny model)")
     p.add_argument("--reps", type=int, default=3, help="simulated runs per prediction")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the measured runs' prompts and arrivals, and of the "
+                        "simulated arrivals")
 
 
 def plan_cases(profile: Profile, plan: dict, seed: int, reps: int) -> tuple[list, dict]:

@@ -204,7 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attainment", type=float, default=0.9,
                    help="share of requests meeting the SLO that counts as sustained")
     add_knob_arguments(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the simulated arrivals and lengths (run k uses seed + k)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
