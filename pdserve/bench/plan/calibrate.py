@@ -80,7 +80,7 @@ def main(a: argparse.Namespace) -> int:
     try:
         profile = Profile.load(Path(a.profile))
         compare = json.loads(Path(a.compare).read_text())
-        knobs = knobs_from(a, profile.device)
+        knobs = knobs_from(a, profile)
     except (OSError, ValueError, TypeError) as e:
         print(f"pdserve plan calibrate: {e}", file=sys.stderr)
         return 2

@@ -21,10 +21,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from .recommend import CPU_HOST, Setting, Workload, recommend
+from .recommend import Setting, Workload, host_knobs, recommend
 from .candidates import candidates
 from .profile import Profile
-from .sim import Deployment, Knobs
+from .sim import Deployment
 from ..slo import DEFAULT_MIXES
 
 # workload -> (rate, requests): rates where the deployments differ on 2 cores
@@ -157,8 +157,7 @@ def plan_cases(profile: Profile, plan: dict, seed: int, reps: int) -> tuple[list
     engines = len(os.sched_getaffinity(0)) // profile.units_per_engine
     cases, needs = [], {}
     for w, (rate, n) in plan.items():
-        knobs = CPU_HOST if profile.device == "cpu" else Knobs()
-        s = Setting(profile, Workload(w), n, reps, seed, knobs, arrival_seed=seed)
+        s = Setting(profile, Workload(w), n, reps, seed, host_knobs(profile), arrival_seed=seed)
         result = recommend(s, engines, dict(DEFAULT_MIXES), [rate])
         cases += cases_for(result, w, rate)
     for c in cases:

@@ -224,16 +224,38 @@ def add_knob_arguments(p: argparse.ArgumentParser) -> None:
                         "for a cpu profile, 0 for cuda)")
     p.add_argument("--serve-step-ms", type=float, default=None,
                    help="ms the serving process adds to an engine step that streams tokens "
-                        f"(output path) (default: {CPU_HOST.serve_step_ms:g} for a cpu "
-                        "profile, 0 for cuda)")
+                        "(output path) (default for a cpu profile: what its measured decode "
+                        "leg spent a token beyond a decode step, else "
+                        f"{CPU_HOST.serve_step_ms:g}; 0 for cuda)")
     p.add_argument("--serve-token-ms", type=float, default=None,
                    help=f"the same per streamed token (default: {CPU_HOST.serve_token_ms:g} "
                         "for a cpu profile, 0 for cuda)")
 
 
-def knobs_from(a: argparse.Namespace, device: str) -> Knobs:
+def serve_step_ms(profile: Profile) -> float | None:
+    """What a worker's serving adds to a decode step, from the profile's own measurement:
+    its decode leg's engine time a token (`sweep.legs`, a request streamed through
+    pdserve) beyond one profiled decode step, less one token's output cost."""
+    legs = profile.sweep.get("legs", {})
+    if not legs.get("decode_engine_ms") or not legs.get("overhead_output_tokens"):
+        return None
+    tokens = legs["overhead_output_tokens"]
+    step = profile.decode_step_ms(1, legs.get("overhead_prompt_tokens", 0) + tokens / 2)
+    return max(0.0, legs["decode_engine_ms"] / tokens - step - CPU_HOST.serve_token_ms)
+
+
+def host_knobs(profile: Profile) -> Knobs:
+    """The defaults of the shared-host knobs for `profile`'s device."""
+    if profile.device != "cpu":
+        return Knobs()
+    measured = serve_step_ms(profile)
+    return CPU_HOST if measured is None else dataclasses.replace(CPU_HOST,
+                                                                 serve_step_ms=measured)
+
+
+def knobs_from(a: argparse.Namespace, profile: Profile) -> Knobs:
     """The modelling knobs the flags give, the host's share by the profile's device."""
-    host = CPU_HOST if device == "cpu" else Knobs()
+    host = host_knobs(profile)
     values = {k: getattr(a, k) for k in ("unit_speedup_prefill", "unit_speedup_decode")} | {
         k: getattr(host, k) if getattr(a, k) is None else getattr(a, k)
         for k in ("host_request_ms", "host_token_ms", "serve_step_ms", "serve_token_ms")}
@@ -266,7 +288,7 @@ def setting_from(a: argparse.Namespace) -> tuple[Setting, dict[str, SLO], list[f
     except (OSError, json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"--profile {a.profile}: {e}") from e
     slos = dict(parse_slo(x) for x in a.slo)
-    knobs = knobs_from(a, profile.device)
+    knobs = knobs_from(a, profile)
     return (Setting(profile, workload(a.workload), a.requests, a.reps, a.seed, knobs,
                     span_s=a.span_s), slos, rates)
 

@@ -155,7 +155,7 @@ def main(a: argparse.Namespace) -> int:
         rates = [float(x) for x in a.rates.split(",")]
         if a.devices < profile.units_per_engine or min(lengths) < 1 or min(rates) <= 0:
             raise ValueError("--devices must hold one engine; lengths and rates must be > 0")
-        knobs = knobs_from(a, profile.device)
+        knobs = knobs_from(a, profile)
     except (OSError, ValueError, TypeError) as e:
         print(f"pdserve plan map: {e}", file=sys.stderr)
         return 2

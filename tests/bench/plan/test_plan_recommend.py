@@ -8,6 +8,7 @@ from pdserve.bench.plan import check
 from pdserve.bench.plan.candidates import candidates, how_to_run
 from pdserve.bench.plan.cli import main
 from pdserve.bench.plan.demand import load_trace
+from pdserve.bench.plan.profile import Profile
 from pdserve.bench.plan.recommend import Setting, Workload, parse_slo, recommend
 from pdserve.bench.slo import SLO
 
@@ -119,3 +120,14 @@ def test_sessions_sustain_a_rate_counted_in_sessions():
     got, _ = sustained(s, Deployment("one", decode=1, gateway=False),
                        {"loose": SLO(ttft_ms=2000, itl_ms=200)})
     assert got["loose"] > 0.5
+
+
+def test_a_cpu_profiles_serving_step_cost_comes_from_its_measured_decode_leg():
+    from pdserve.bench.plan.recommend import host_knobs
+    legs = {"overhead_prompt_tokens": 256, "overhead_output_tokens": 32,
+            "decode_engine_ms": 32 * 15.0}
+    p = profile(decode=10.0, sweep={"legs": legs})
+    assert host_knobs(p).serve_step_ms == pytest.approx(15.0 - 10.0 - host_knobs(p).serve_token_ms)
+    gpu = Profile.from_json({**profile(decode=10.0, sweep={"legs": legs}).to_json(),
+                             "device": "cuda"})
+    assert host_knobs(gpu).serve_step_ms == 0.0
