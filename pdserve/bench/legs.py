@@ -24,7 +24,7 @@ from pdserve.v1 import common_pb2
 from pdserve.services.edge.engine_requests import decode_request, prefill_request
 
 
-def decode_leg(stub, rid: str, ids: list[int], sampling, params=None) -> tuple[float, float]:
+def _decode(stub, rid: str, ids: list[int], sampling, params=None) -> tuple[float, float]:
     """(ms to first token, ms to last token) of one decode leg."""
     start, first = time.perf_counter(), None
     for resp in stub.Generate(decode_request(rid, ids, sampling, params), timeout=300):
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                                      timeout=300))[-1].complete
         prefill_ms = (time.perf_counter() - t0) * 1000
         params = json.loads(done.kv_transfer_params_json)
-        kv_first, kv_total = decode_leg(decode, f"lat-{stamp}-{i}", ids, sampling, params)
-        local_first, local_total = decode_leg(decode, f"lat-{stamp}-{i}-l", ids, sampling)
+        kv_first, kv_total = _decode(decode, f"lat-{stamp}-{i}", ids, sampling, params)
+        local_first, local_total = _decode(decode, f"lat-{stamp}-{i}-l", ids, sampling)
         rows.append((len(ids), prefill_ms, kv_first, prefill_ms + kv_first, local_first,
                      kv_total, local_total))
         print(f"{len(ids):5d} tokens  prefill {prefill_ms:6.1f} ms  decode-with-KV first "

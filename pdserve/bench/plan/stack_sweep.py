@@ -5,12 +5,14 @@ worker, each on its own core; every prompt prefilled remotely).
 - transfer: requests of N random prompt tokens through the edge, disaggregated; the
   decode engine's connector's own `vllm:nixl_xfer_time_seconds` (sum / count), read
   before and after each length: the pull alone, not the handshake or the lease claim;
-- overheads: the same short prompt and output, alternately straight to the workers
-  over vLLM's engine protocol (the prefill leg, then the decode leg with the pulled KV,
-  as `pdserve bench legs` does) and through the edge (HTTP, SSE). The edge adds, per
-  request, its TTFT minus the prefill leg's, and per token, the difference of the
-  inter-token times; the router's part is one `Route` round trip (gRPC, unary, timed
-  from here), taken out of the edge's per-request figure so the two add up.
+- overheads: short prompts streamed through the edge (HTTP, SSE), one at a time, beside
+  the time their two legs spent inside the engines (vLLM's own
+  `vllm:e2e_request_latency_seconds` on each worker). Per request, the client's TTFT
+  minus the prefill engine's time; per token, the rest of the stream minus the decode
+  engine's time, over the tokens. The router's part is one `Route` round trip (gRPC,
+  unary, timed from here), taken out of the per-request figure so the two add up.
+  What remains is the edge's and the workers' servicers' (gRPC, the HTTP hop, the
+  edge's own work): everything between the client and the engines.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ import random
 import statistics
 import time
 import urllib.request
-import uuid
 from dataclasses import dataclass
 
 from pdserve.bench.engine_run import XFER_SECONDS, complete_disaggregated, nixl_series, series_total
@@ -78,24 +79,6 @@ def edge_stream(url: str, model: str, ids: list[int], max_tokens: int) -> tuple[
     return (first - start) * 1000, (last - start) * 1000
 
 
-def direct_legs(prefill, decode, ids: list[int], max_tokens: int) -> tuple[float, float]:
-    """(ms to the first token, ms to the last) straight to the workers (engine-protocol
-    stubs): the prefill leg (its token is the first), then the decode leg with the
-    prefill's KV."""
-    from pdserve.bench.legs import decode_leg
-    from pdserve.services.edge.engine_requests import prefill_request
-    from pdserve.v1 import common_pb2
-
-    sampling = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens - 1,
-                                         ignore_eos=True)
-    rid = f"profile-{uuid.uuid4().hex}"
-    t0 = time.perf_counter()
-    done = list(prefill.Generate(prefill_request(rid, ids, sampling), timeout=120))[-1].complete
-    first = (time.perf_counter() - t0) * 1000
-    _, rest = decode_leg(decode, rid, ids, sampling, json.loads(done.kv_transfer_params_json))
-    return first, first + rest
-
-
 def route_ms(router: str, model: str, ids: list[int], reps: int) -> float:
     """Median round trip of a unary `Route` (what placing one request costs)."""
     import grpc
@@ -114,50 +97,51 @@ def route_ms(router: str, model: str, ids: list[int], reps: int) -> float:
     return statistics.median(times[1:])                 # the first opens the channel
 
 
-def overheads(med: dict[str, tuple[float, float]], route: float) -> dict:
-    """The profile's `overheads` from the median (TTFT, inter-token) ms of each path
-    ({"direct": ..., "edge": ...}) and the router's round trip `route` ms; never
-    below 0 (the edge adds work; a negative difference is noise)."""
-    request = med["edge"][0] - med["direct"][0]
-    return {"edge_request_ms": round(max(0.0, request - route), 3),
-            "edge_token_ms": round(max(0.0, med["edge"][1] - med["direct"][1]), 4),
+def engine_ms(before: str, after: str) -> float:
+    """Mean ms a request spent in the engine (arrival to finish, vLLM's own
+    `vllm:e2e_request_latency_seconds`) between two reads of its metrics page."""
+    from pdserve.bench.deployments import samples_sum
+    name = "vllm:e2e_request_latency_seconds"
+    count = samples_sum(after, f"{name}_count") - samples_sum(before, f"{name}_count")
+    if count <= 0:
+        raise RuntimeError("the engine reported no finished request")
+    return 1000 * (samples_sum(after, f"{name}_sum") - samples_sum(before, f"{name}_sum")) / count
+
+
+def overheads(edge: list[tuple[float, float]], prefill_ms: float, decode_ms: float,
+              route: float, output: int) -> dict:
+    """The profile's `overheads` from the edge's (first, last) token ms of each request
+    of `output` tokens, the mean ms its prefill and decode legs spent in their engines,
+    and the router's round trip `route` ms; never below 0 (a negative difference is
+    noise)."""
+    ttft = statistics.fmean(f for f, _ in edge)
+    span = statistics.fmean(last - f for f, last in edge)
+    return {"edge_request_ms": round(max(0.0, ttft - prefill_ms - route), 3),
+            "edge_token_ms": round(max(0.0, (span - decode_ms) / (output - 1)), 4),
             "router_request_ms": round(route, 3)}
 
 
-def measure_overheads(url: str, model: str, stack, spec: StackSpec, rng: random.Random,
-                      log=print) -> tuple[dict, dict]:
-    """Paired direct and edge runs of one prompt length, then the router's round trip:
-    the overheads, and the medians they came from."""
-    import grpc
-    from smg_grpc_proto import vllm_engine_pb2_grpc
-
-    legs: dict[str, list] = {"direct": [], "edge": []}
-    with grpc.insecure_channel(stack.worker_addresses("prefill")[0]) as p, \
-            grpc.insecure_channel(stack.worker_addresses("decode")[0]) as d:
-        prefill, decode = (vllm_engine_pb2_grpc.VllmEngineStub(c) for c in (p, d))
-        for i in range(spec.overhead_reps + 1):        # the first opens the channels
-            direct = direct_legs(prefill, decode, _ids(rng, spec.overhead_prompt),
-                                 spec.overhead_output)
-            edge = edge_stream(url, model, _ids(rng, spec.overhead_prompt),
-                               spec.overhead_output)
-            if i:
-                legs["direct"].append(direct)
-                legs["edge"].append(edge)
-    route = route_ms(f"127.0.0.1:{stack.ports['router']}", model,
-                     _ids(rng, spec.overhead_prompt), spec.overhead_reps)
-    med = {k: medians(v, spec.overhead_output) for k, v in legs.items()}
-    out = overheads(med, route)
-    raw = {f"{k}_{part}_ms": v for k in med for part, v in zip(("ttft", "itl"), med[k])}
-    log(f"overheads: {out} (medians of {spec.overhead_reps}: {raw})")
-    return out, {"overhead_prompt_tokens": spec.overhead_prompt,
-                 "overhead_output_tokens": spec.overhead_output, **raw}
-
-
-def medians(runs: list[tuple[float, float]], output: int) -> tuple[float, float]:
-    """Median TTFT and inter-token ms of `runs` ((first, last) ms each) of `output`
-    tokens each."""
-    return (round(statistics.median(f for f, _ in runs), 3),
-            round(statistics.median((last - f) / (output - 1) for f, last in runs), 3))
+def measure_overheads(url: str, model: str, router: str, pages: dict[str, str],
+                      spec: StackSpec, rng: random.Random, log=print) -> tuple[dict, dict]:
+    """Streamed requests through the edge at `url`, one at a time, beside their legs'
+    own times in the engines (`pages`: the prefill and the decode worker's metrics
+    URLs); then the round trip of the `router` (host:port). The overheads, and what
+    they came from."""
+    from pdserve.bench.deployments import metrics_page
+    before = {role: metrics_page(u) for role, u in pages.items()}
+    edge = [edge_stream(url, model, _ids(rng, spec.overhead_prompt), spec.overhead_output)
+            for _ in range(spec.overhead_reps)]
+    legs = {f"{role}_engine_ms": round(engine_ms(before[role], metrics_page(u)), 3)
+            for role, u in pages.items()}
+    route = route_ms(router, model, _ids(rng, spec.overhead_prompt), spec.overhead_reps)
+    out = overheads(edge, legs["prefill_engine_ms"], legs["decode_engine_ms"], route,
+                    spec.overhead_output)
+    raw = {"overhead_prompt_tokens": spec.overhead_prompt,
+           "overhead_output_tokens": spec.overhead_output, **legs,
+           "edge_ttft_ms": round(statistics.fmean(f for f, _ in edge), 3),
+           "edge_last_token_ms": round(statistics.fmean(last for _, last in edge), 3)}
+    log(f"overheads: {out} (means of {spec.overhead_reps}: {raw})")
+    return out, raw
 
 
 def sweep(model: str, hw, spec: StackSpec, log=print) -> dict:
@@ -171,7 +155,8 @@ def sweep(model: str, hw, spec: StackSpec, log=print) -> dict:
         url = stack.start()[0]
         complete_disaggregated(url, model, _ids(rng, 256))     # handshake, first pull
         transfer = transfer_points(url, model, stack.decode_metrics[0], spec, rng, log)
-        over, legs = measure_overheads(url, model, stack, spec, rng, log)
+        over, legs = measure_overheads(url, model, f"127.0.0.1:{stack.ports['router']}",
+                                       stack.worker_metrics(), spec, rng, log)
         return {"transfer": transfer, "overheads": over, "legs": legs}
     finally:
         stack.stop()

@@ -75,13 +75,16 @@ def with_context(model: str, max_context: int, scratch: Path) -> str:
     return str(long_context_copy(Path(model), scratch / f"ctx{max_context}", max_context))
 
 
-def run_engine_sweep(spec: SweepSpec, scratch: Path) -> dict:
-    """engine_sweep.py in its own process (pinned by its own set-up); its result."""
+def run_engine_sweep(spec: SweepSpec, scratch: Path, gpus: list[int]) -> dict:
+    """engine_sweep.py in its own process (pinned by its own set-up, given `gpus` on
+    cuda); its result."""
     spec_file, out_file = scratch / "sweep-spec.json", scratch / "sweep-out.json"
     spec_file.write_text(json.dumps(spec.to_json()))
     with open(out_file, "w") as out:
         subprocess.run([sys.executable, "-m", "pdserve.bench.plan.engine_sweep", str(spec_file)],
-                       stdout=out, check=True, timeout=ENGINE_SWEEP_TIMEOUT_S)
+                       stdout=out, check=True, timeout=ENGINE_SWEEP_TIMEOUT_S,
+                       env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(
+                           map(str, gpus))} if spec.device == "cuda" else {})})
     return json.loads(out_file.read_text())
 
 
@@ -114,7 +117,7 @@ def profile(run: ProfileRun, log=print) -> Profile:
                          cpus=",".join(map(str, engine_units)) if run.device == "cpu" else "",
                          quick=run.quick, seed=run.seed)
         log(f"engine sweep: {model} on {run.device} {engine_units}")
-        engine = run_engine_sweep(spec, Path(tmp))
+        engine = run_engine_sweep(spec, Path(tmp), engine_units)
         engine_s = time.monotonic() - started
         log(f"stack sweep: pdserve up, 1 prefill + 1 decode worker ({engine_s:.0f} s so far)")
         served = stack_sweep(model, hw, StackSpec(
