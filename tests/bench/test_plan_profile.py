@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from support import ROOT
 from pdserve.bench.plan import stack_sweep
 from pdserve.bench.plan.cli import main
+from pdserve.bench.plan.engine_sweep import Timer
 from pdserve.bench.plan.grid import FRACTIONS, TOP_MARGIN, SweepSpec
 from pdserve.bench.plan.profile import Profile
 from pdserve.bench.plan.sweep import ProfileRun, transfer_lengths, with_context
@@ -154,3 +156,66 @@ def test_the_committed_profiles_load_and_hold_the_sweeps_grid(name):
     assert {p["batch"] for p in prof.decode} >= {1, prof.max_num_seqs}
     assert all(p["ms"] > 0 for p in prof.transfer)
     assert prof.command.startswith("pdserve plan profile")
+
+
+class FakeEngine:
+    """vLLM's `LLMEngine` as the sweep drives it: chunked prefill within a token budget
+    per step, a prefix cache of whole blocks, one token per decoding request a step."""
+
+    def __init__(self, budget: int = 256, block: int = 16, drop_one: bool = False):
+        self.budget, self.block, self.drop_one = budget, block, drop_one
+        self.cache: set[tuple] = set()
+        self.running: dict[str, dict] = {}
+        self.decode_batches: list[int] = []         # requests per pure decode step
+
+    def add_request(self, rid, prompt, max_tokens):
+        ids = prompt["prompt_token_ids"]
+        hit = max((k for k in range(0, len(ids), self.block) if tuple(ids[:k]) in self.cache),
+                  default=0)
+        self.running[rid] = {"ids": ids, "done": hit, "cached": hit, "out": [],
+                             "max": max_tokens}
+
+    def step(self):
+        budget, outs, prefilling = self.budget, [], False
+        for rid, r in list(self.running.items()):
+            if r["done"] < len(r["ids"]):
+                prefilling = True
+                take = min(budget, len(r["ids"]) - r["done"])
+                r["done"], budget = r["done"] + take, budget - take
+                if r["done"] < len(r["ids"]):
+                    continue
+                for k in range(self.block, len(r["ids"]) + 1, self.block):
+                    self.cache.add(tuple(r["ids"][:k]))
+            r["out"].append(7)
+            outs.append(SimpleNamespace(request_id=rid, finished=len(r["out"]) >= r["max"],
+                                        num_cached_tokens=r["cached"],
+                                        outputs=[SimpleNamespace(token_ids=list(r["out"]))]))
+            if outs[-1].finished:
+                del self.running[rid]
+        if not prefilling and outs:
+            self.decode_batches.append(len(outs))
+        return outs[:-1] if self.drop_one and not prefilling and len(outs) > 1 else outs
+
+    def abort_request(self, rids):
+        for rid in rids:
+            self.running.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+
+def test_decode_points_time_only_steps_where_the_whole_batch_decodes():
+    engine = FakeEngine()
+    timer = Timer(engine, vocab=4000, seed=0, sampling=lambda n: n)
+    assert timer.decode(batch=8, context=16 * 6 + 1, steps=5) >= 0
+    # Filling 8 x 97 tokens takes several 256-token steps; the timed ones all ran 8.
+    assert engine.decode_batches[:5] == [8] * 5 and not engine.running
+    with pytest.raises(RuntimeError, match="ran 7 of 8"):
+        Timer(FakeEngine(drop_one=True), 4000, 0, lambda n: n).decode(8, 97, 3)
+
+
+def test_a_cached_prefill_point_reports_the_blocks_the_engine_held():
+    timer = Timer(FakeEngine(block=16), vocab=4000, seed=0, sampling=lambda n: n)
+    point = timer.prefill(tokens=100, cached=48, reps=2)
+    assert point["cached_tokens"] == 48 and point["ms"] >= 0
+    assert timer.prefill(tokens=100, cached=0, reps=1)["cached_tokens"] == 0

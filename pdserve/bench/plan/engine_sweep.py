@@ -30,14 +30,21 @@ from pathlib import Path
 from pdserve.bench.plan.grid import SweepSpec
 
 
+def greedy(max_tokens: int):
+    """vLLM's sampling for `max_tokens` tokens, every one of them (no early EOS)."""
+    from vllm import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
 class Timer:
     """A synchronous vLLM engine and the requests it runs, one step at a time."""
 
-    def __init__(self, engine, vocab: int, seed: int):
+    def __init__(self, engine, vocab: int, seed: int, sampling=None):
         self.engine = engine
         self.vocab = vocab
         self.rng = random.Random(seed)
         self.serial = 0
+        self.sampling = sampling or greedy
 
     def tokens(self, n: int) -> list[int]:
         """Random token ids, never a special one (the tiny model's are 0..4): distinct
@@ -45,11 +52,9 @@ class Timer:
         return [self.rng.randrange(16, self.vocab) for _ in range(n)]
 
     def add(self, prompt: list[int], max_tokens: int) -> str:
-        from vllm import SamplingParams
         self.serial += 1
         rid = f"sweep-{self.serial}"
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, self.sampling(max_tokens))
         return rid
 
     def run_alone(self, prompt: list[int]) -> tuple[float, int]:
