@@ -8,101 +8,27 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
-import signal
-import sys
-from pathlib import Path
-
-from pdserve.flags import DEFAULT_MODEL_DIR
+import importlib
 
 
-def _profile_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pdserve plan profile",
-        description="Measure one engine (the configured model and device) and save its "
-                    "profile: prefill by prompt length and cached fraction, decode step by "
-                    "batch and context, KV transfer by prompt length, and the edge's and "
-                    "router's overheads (docs/planning.md).")
-    p.add_argument("--model", default="",
-                   help=f"model dir or name (default: the tiny model, {DEFAULT_MODEL_DIR})")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--gpus", default="0,1",
-                   help="cuda: the GPUs of the stack part (half prefill, half decode); the "
-                        "engine part runs on the decode half")
-    p.add_argument("--out", default="", help="write the profile (JSON) to this file")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer points and repetitions (about half the time)")
-    p.add_argument("--max-context", type=int, default=0,
-                   help="profile prompts up to this many tokens (the model's context is "
-                        "extended when its config allows fewer: tiny_model.long_context_copy)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true",
-                   help="print the profile as JSON on stdout (progress stays on stderr)")
-    return p
-
-
-def _units(device: str, gpus: str) -> tuple[int, ...]:
-    if device == "cuda":
-        try:
-            return tuple(int(g) for g in gpus.split(","))
-        except ValueError:
-            raise ValueError(f"--gpus must be comma-separated GPU ids, got {gpus!r}") from None
-    return tuple(sorted(os.sched_getaffinity(0)))
-
-
-def summary(profile) -> str:
-    """The headline figures of a profile, as text."""
-    lines = [f"{profile.model} on {profile.device} ({profile.units_per_engine} unit per "
-             f"engine, block {profile.block_size}, step budget {profile.max_num_batched_tokens}"
-             f" tokens, context {profile.max_model_len})"]
-    for tokens in (128, 1024, 2048):
-        if tokens <= profile.max_model_len:
-            lines.append(f"  prefill {tokens:>6} tokens: {profile.prefill_ms(tokens):8.1f} ms"
-                         f" ({profile.prefill_ms(tokens, 0.9):.1f} ms 90% cached)")
-    for batch in (1, 8, 32):
-        lines.append(f"  decode step, batch {batch:>2}, context 1024: "
-                     f"{profile.decode_step_ms(batch, 1024):.2f} ms")
-    lines.append(f"  transfer 1024 tokens: {profile.transfer_ms(1024):.2f} ms")
-    o = profile.overheads
-    lines.append(f"  edge {o.edge_request_ms} ms a request + {o.edge_token_ms} ms a token, "
-                 f"router {o.router_request_ms} ms a request")
-    return "\n".join(lines)
-
-
-def _profile(argv: list[str]) -> int:
-    from pdserve.bench.engine_run import stdout_for_the_result
-    from pdserve.bench.plan.sweep import ProfileRun, profile
-
-    a = _profile_parser().parse_args(argv)
-    try:
-        run = ProfileRun(model=a.model or str(DEFAULT_MODEL_DIR), device=a.device,
-                         units=_units(a.device, a.gpus), quick=a.quick,
-                         max_context=a.max_context, seed=a.seed,
-                         command="pdserve plan profile " + shlex.join(argv))
-    except ValueError as e:
-        print(f"pdserve plan profile: {e}", file=sys.stderr)
-        return 2
-    if not a.model:
-        from pdserve.tiny_model import ensure_tiny_model
-        ensure_tiny_model(DEFAULT_MODEL_DIR)
-    # SIGTERM unwinds like Ctrl-C, so the stack it started is stopped.
-    signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
-    result = stdout_for_the_result()
-    prof = profile(run, log=lambda line: print(f"pdserve plan profile: {line}",
-                                               file=sys.stderr, flush=True))
-    if a.out:
-        prof.save(Path(a.out))
-        print(f"pdserve plan profile: wrote {a.out}", file=sys.stderr)
-    with result:
-        print(json.dumps(prof.to_json()) if a.json else summary(prof), file=result)
-    return 0
+def _subcommand(name: str, module: str, description: str):
+    """A subcommand whose module has add_arguments(parser) and main(args) -> int."""
+    def run(argv: list[str]) -> int:
+        mod = importlib.import_module(f"pdserve.bench.plan.{module}")
+        p = argparse.ArgumentParser(prog=f"pdserve plan {name}", description=description)
+        mod.add_arguments(p)
+        return mod.main(p.parse_args(argv))
+    return run
 
 
 def commands() -> dict:
     """Every `pdserve plan` subcommand: the function that parses its arguments and runs it."""
-    return {"profile": _profile}
+    return {"profile": _subcommand("profile", "profile_command",
+                                   "Measure one engine (the configured model and device) and "
+                                   "save its profile: prefill by prompt length and cached "
+                                   "fraction, decode step by batch and context, KV transfer by "
+                                   "prompt length, and the edge's and router's overheads "
+                                   "(docs/planning.md).")}
 
 
 def main(argv: list[str]) -> int:
