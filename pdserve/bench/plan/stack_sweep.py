@@ -32,7 +32,7 @@ class StackSpec:
 
     transfer_tokens: tuple[int, ...]
     transfer_requests: int = 4          # per length
-    overhead_reps: int = 8              # pairs of (direct, through the edge)
+    overhead_reps: int = 8              # requests streamed through the edge
     overhead_prompt: int = 256          # tokens of the overheads' prompt
     overhead_output: int = 32           # tokens of its output
     seed: int = 0
@@ -47,10 +47,11 @@ def transfer_points(url: str, model: str, metrics: str, spec: StackSpec,
         for _ in range(spec.transfer_requests):
             complete_disaggregated(url, model, _ids(rng, tokens))
         after = nixl_series(metrics)
-        count = series_total(after, f"{XFER_SECONDS}_count") - series_total(before, f"{XFER_SECONDS}_count")
+        count, seconds = (series_total(after, f"{XFER_SECONDS}_{part}")
+                          - series_total(before, f"{XFER_SECONDS}_{part}")
+                          for part in ("count", "sum"))
         if count <= 0:
             raise RuntimeError(f"no NIXL transfer reported for {tokens}-token prompts")
-        seconds = series_total(after, f"{XFER_SECONDS}_sum") - series_total(before, f"{XFER_SECONDS}_sum")
         points.append({"tokens": tokens, "ms": round(1000 * seconds / count, 3),
                        "transfers": int(count)})
         log(f"transfer {tokens:>6} tokens: {points[-1]['ms']:.2f} ms ({int(count)} pulls)")
@@ -58,7 +59,8 @@ def transfer_points(url: str, model: str, metrics: str, spec: StackSpec,
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
-    """Random ids past the tiny model's special tokens (0..4): no prefix cache hits."""
+    """Random ids, distinct prompts (no prefix cache hits): past the tiny model's special
+    tokens (0..4) and within any vocabulary of 4,000 or more."""
     return [rng.randrange(16, 4000) for _ in range(n)]
 
 
