@@ -17,7 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`pdserve plan profile`'s flags."""
     p.add_argument("--model", default="",
                    help=f"model dir or name (default: the tiny model, {DEFAULT_MODEL_DIR})")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu or cuda: the engine takes that device's defaults "
+                        "(docs/engine-flags.md)")
     p.add_argument("--gpus", default="0,1",
                    help="cuda: the GPUs of the stack part (half prefill, half decode); the "
                         "engine part runs on the decode half")
@@ -27,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=0,
                    help="profile prompts up to this many tokens (the model's context is "
                         "extended when its config allows fewer: tiny_model.long_context_copy)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random prompts and of the engine")
     p.add_argument("--json", action="store_true",
                    help="print the profile as JSON on stdout (progress stays on stderr)")
 
