@@ -20,6 +20,6 @@ def test_the_profile_reads_transfer_and_overheads_off_a_running_stack(stack):
     # The client's first token waits for the prefill engine, its last for the decode one.
     assert legs["edge_ttft_ms"] >= legs["prefill_engine_ms"] > 0
     assert legs["edge_last_token_ms"] > legs["edge_ttft_ms"]
-    assert legs["decode_engine_ms"] > 0
+    assert legs["decode_engine_ms"] > 0 and legs["decode_engine_itl_ms"] > 0
     assert over["router_request_ms"] > 0
     assert min(over.values()) >= 0 and len(lines) == 2

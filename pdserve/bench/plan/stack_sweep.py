@@ -99,14 +99,17 @@ def route_ms(router: str, model: str, ids: list[int], reps: int) -> float:
     return statistics.median(times[1:])                 # the first opens the channel
 
 
-def engine_ms(before: str, after: str) -> float:
-    """Mean ms a request spent in the engine (arrival to finish, vLLM's own
-    `vllm:e2e_request_latency_seconds`) between two reads of its metrics page."""
+E2E_SECONDS = "vllm:e2e_request_latency_seconds"
+ITL_SECONDS = "vllm:inter_token_latency_seconds"
+
+
+def engine_ms(before: str, after: str, name: str = E2E_SECONDS) -> float:
+    """Mean ms of histogram `name` between two reads of an engine's metrics page: by
+    default what a request spent in the engine (arrival to finish, vLLM's own)."""
     from pdserve.bench.deployments import samples_sum
-    name = "vllm:e2e_request_latency_seconds"
     count = samples_sum(after, f"{name}_count") - samples_sum(before, f"{name}_count")
     if count <= 0:
-        raise RuntimeError("the engine reported no finished request")
+        raise RuntimeError(f"the engine reported no {name} sample")
     return 1000 * (samples_sum(after, f"{name}_sum") - samples_sum(before, f"{name}_sum")) / count
 
 
@@ -133,8 +136,13 @@ def measure_overheads(url: str, model: str, router: str, pages: dict[str, str],
     before = {role: metrics_page(u) for role, u in pages.items()}
     edge = [edge_stream(url, model, _ids(rng, spec.overhead_prompt), spec.overhead_output)
             for _ in range(spec.overhead_reps)]
-    legs = {f"{role}_engine_ms": round(engine_ms(before[role], metrics_page(u)), 3)
-            for role, u in pages.items()}
+    after = {role: metrics_page(u) for role, u in pages.items()}
+    legs = {f"{role}_engine_ms": round(engine_ms(before[role], after[role]), 3)
+            for role in pages}
+    # The decode engine's own gap between tokens, serving (AsyncLLM in a worker): beside
+    # the profile's bare engine steps, what a worker adds to each.
+    legs["decode_engine_itl_ms"] = round(engine_ms(before["decode"], after["decode"],
+                                                   ITL_SECONDS), 3)
     route = route_ms(router, model, _ids(rng, spec.overhead_prompt), spec.overhead_reps)
     out = overheads(edge, legs["prefill_engine_ms"], legs["decode_engine_ms"], route,
                     spec.overhead_output)
