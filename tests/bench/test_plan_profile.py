@@ -144,10 +144,7 @@ def test_the_command_refuses_bad_arguments_with_a_clear_error(capsys):
 
 @pytest.mark.parametrize("name", ["plan_profile_cpu.json", "plan_profile_cpu_16k.json"])
 def test_the_committed_profiles_load_and_hold_the_sweeps_grid(name):
-    path = ROOT / "bench" / "results" / name
-    if not path.exists():
-        pytest.skip(f"{name} not committed")
-    prof = Profile.load(path)
+    prof = Profile.load(ROOT / "bench" / "results" / name)
     top = prof.max_model_len - TOP_MARGIN
     assert {p["cached_fraction"] for p in prof.prefill} == set(FRACTIONS)
     assert max(p["tokens"] for p in prof.prefill) == top
