@@ -9,7 +9,7 @@ Subcommands:
   build-model  build the tiny offline test model
   bench     load and side-by-side benchmarks (`pdserve bench compare --quick`)
   chaos     kill workers under streaming load; no stream may be lost
-  plan      recommend a deployment for a workload and SLOs (`pdserve plan recommend --help`)
+  plan      profile the engine, recommend a deployment, check it (`pdserve plan --help`)
 """
 from __future__ import annotations
 

@@ -390,7 +390,8 @@ def add_edge(sub: argparse._SubParsersAction) -> None:
 
 
 def add_harness(sub: argparse._SubParsersAction) -> None:
-    """`build-model`, and the harness's `chaos`, `bench` and `plan`, which parse their own flags."""
+    """`build-model`, and the harness's `chaos`, `bench` and `plan`, which parse their own
+    flags."""
     b = sub.add_parser("build-model", help="build the tiny offline model if absent")
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR), help="where the model is written")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -403,6 +404,6 @@ def add_harness(sub: argparse._SubParsersAction) -> None:
                            help="serve: vLLM's serving benchmark; compare: P/D vs colocated")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     plan = sub.add_parser("plan", add_help=False,
-                          help="recommend a deployment by simulation over an engine profile "
-                               "(`pdserve plan recommend --help`)")
+                          help="profile the engine, recommend a deployment by simulation "
+                               "over the profile, check it (`pdserve plan --help`)")
     plan.add_argument("args", nargs=argparse.REMAINDER)

@@ -1,5 +1,9 @@
 """`pdserve plan ...`: the command line of the planner.
 
+    pdserve plan profile [--model M] [--device cpu|cuda] [--out FILE] [--quick]
+                         [--max-context N] [--json]
+                                 measure the engine: prefill, decode, KV transfer and the
+                                 edge's and router's overheads, saved as a profile
     pdserve plan recommend --profile P --workload W --slo ttft_p99=MS,itl_p99=MS
                            --devices N [--rate R,R] [--json]
                                  simulate every deployment over the profile; print the best
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 
 def _subcommand(name: str, module: str, description: str):
@@ -31,7 +34,13 @@ def _subcommand(name: str, module: str, description: str):
 
 def commands() -> dict:
     """Every `pdserve plan` subcommand: the function that parses its arguments and runs it."""
-    return {"recommend": _subcommand("recommend", "recommend",
+    return {"profile": _subcommand("profile", "profile_command",
+                                   "Measure one engine (the configured model and device) and "
+                                   "save its profile: prefill by prompt length and cached "
+                                   "fraction, decode step by batch and context, KV transfer by "
+                                   "prompt length, and the edge's and router's overheads "
+                                   "(docs/planning.md)."),
+            "recommend": _subcommand("recommend", "recommend",
                                      "Simulate every candidate deployment over an engine "
                                      "profile; print the best per SLO (docs/planning.md)."),
             "check": _subcommand("check", "check",
@@ -47,8 +56,5 @@ def commands() -> dict:
 
 def main(argv: list[str]) -> int:
     """Dispatch `pdserve plan <what> ...`."""
-    run = commands().get(argv[0]) if argv else None
-    if run is None:
-        print(__doc__.strip(), file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    return run(argv[1:])
+    from pdserve.bench.cli import dispatch
+    return dispatch(commands(), __doc__, argv)

@@ -19,7 +19,7 @@ ITL_STRICT = {"itl": SLO(ttft_ms=3000, itl_ms=40)}
 
 def _pick(p, slos=ITL_STRICT, rate=3.0) -> str:
     only = [d for d in candidates(2, conditional=False)]
-    s = Setting(p, Workload("long_prompts"), requests=40, reps=1, span_s=10)
+    s = Setting(p, Workload("long_prompts"), requests=40, reps=1, span_s=4)
     return recommend(s, 2, slos, [rate], only=only)["best"]["itl"]["name"]
 
 
@@ -115,11 +115,11 @@ def test_check_cases_pair_each_pick_with_another_familys_best():
 def test_sessions_sustain_a_rate_counted_in_sessions():
     from pdserve.bench.plan.recommend import sustained
     from pdserve.bench.plan.sim import Deployment
-    s = Setting(profile(prefill_per_token=0.01, decode=5.0), Workload("sessions"),
+    s = Setting(profile(prefill_per_token=0.5, decode=5.0), Workload("sessions"),
                 requests=24, reps=1, span_s=5)
     got, _ = sustained(s, Deployment("one", decode=1, gateway=False),
                        {"loose": SLO(ttft_ms=2000, itl_ms=200)})
-    assert got["loose"] > 0.5
+    assert got["loose"] > 0.1
 
 
 def test_a_cpu_profiles_serving_step_cost_comes_from_its_measured_decode_leg():
