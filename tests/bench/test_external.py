@@ -123,3 +123,14 @@ def test_bad_arguments_exit_2(capsys):
     assert external.main(["--tools", "guidellm,vllm"]) == 2
     assert "--tools is a subset" in capsys.readouterr().err
     assert external.main(["--output-tokens", "1"]) == 2
+
+
+def test_shared_prefix_replaces_only_the_data_of_inference_perfs_config():
+    shape = Shape(output_tokens=24, requests=30, rate=2.0, seed=3)
+    c = inference_perf.config(shape, "http://127.0.0.1:1", "m", "/t", Path("/o"),
+                              data=inference_perf.shared_prefix(shape, 4, 3, 512, 64))
+    sp = c["data"]["shared_prefix"]
+    assert c["data"]["type"] == "shared_prefix" and "input_distribution" not in c["data"]
+    assert (sp["output_len"], sp["seed"], sp["num_groups"], sp["num_prompts_per_group"],
+            sp["system_prompt_len"], sp["question_len"]) == (24, 3, 4, 3, 512, 64)
+    assert c["load"]["stages"] == [{"rate": 2.0, "duration": 15}]

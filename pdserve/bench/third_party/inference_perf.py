@@ -21,6 +21,17 @@ def _fixed(tokens: int) -> dict:
     return {"type": "fixed", "min": tokens, "max": tokens, "mean": tokens, "std_dev": 0}
 
 
+def shared_prefix(shape: Shape, groups: int, per_group: int, system_tokens: int,
+                  question_tokens: int) -> dict:
+    """The `data:` section of its shared-prefix workload: `groups` system prompts of
+    `system_tokens` tokens, `per_group` questions of `question_tokens` after each, the
+    shape's output length."""
+    return {"type": "shared_prefix", "shared_prefix": {
+        "num_groups": groups, "num_prompts_per_group": per_group,
+        "system_prompt_len": system_tokens, "question_len": question_tokens,
+        "output_len": shape.output_tokens, "seed": shape.seed}}
+
+
 def config(shape: Shape, url: str, model: str, tokenizer: str, out: Path,
            data: dict | None = None) -> dict:
     """The run's config: random prompts of the shape's lengths unless `data` says else."""
