@@ -3,8 +3,8 @@
 #   make run                      the whole stack on this CPU machine (edge on :8000)
 #   make run ARGS="--port 9000"   flags go to `pdserve up` (docs/configuration.md)
 #   make test                     stale-stub check, Debian test servers, the whole suite
-#   make clients                  the third-party clients tests/e2e/test_clients.py and
-#                                 `pdserve bench external` run
+#   make clients                  the third-party clients tests/e2e/test_clients.py runs
+#   make bench-clients            the benchmark tools `pdserve bench external` runs
 #   make proto                    regenerate gRPC stubs after editing proto/
 #   make lock                     resolve lock/*.txt again after editing pyproject.toml's pins
 #   make image [EXTRAS=gpu]       the image (docker, podman or buildah); make image-test runs it
@@ -16,7 +16,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 NATIVE := $(VENV)/.native
 
-.PHONY: run test proto check-proto system-deps clients clean lock lock-clients image image-test
+.PHONY: run test proto check-proto system-deps clients bench-clients clean lock lock-clients image \
+	image-test
 
 # .venv holds exactly lock/$(EXTRAS)-dev.txt (scripts/install_lock.sh), then pdserve itself.
 LOCK := lock/$(EXTRAS)-dev.txt
@@ -51,11 +52,13 @@ test:
 CLIENTS := .venv-clients
 GUIDELLM := $(CLIENTS)/guidellm
 NODE_CLIENTS := tests/e2e/clients
-clients: $(GUIDELLM)/.installed $(NODE_CLIENTS)/node_modules/.installed \
-	$(CLIENTS)/inference-perf/.installed $(CLIENTS)/aiperf/.installed
+clients: $(GUIDELLM)/.installed $(NODE_CLIENTS)/node_modules/.installed
 
-# inference-perf and aiperf (`pdserve bench external`), each from its lock alone: neither
-# needs torch. inference-perf needs Python >= 3.12 (pyenv's, where .venv's is older).
+# guidellm, inference-perf and aiperf for `pdserve bench external` (which runs this), not
+# for the suite: no test runs the last two (12-15 s each to install, 0.6 and 0.9 GB). Each
+# from its lock alone, neither needs torch; inference-perf needs Python >= 3.12.
+bench-clients: $(GUIDELLM)/.installed $(CLIENTS)/inference-perf/.installed \
+	$(CLIENTS)/aiperf/.installed
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 $(CLIENTS)/inference-perf/.installed: PYBASE = $(PYTHON312)
 $(CLIENTS)/aiperf/.installed: PYBASE = $(PYTHON)

@@ -30,7 +30,7 @@
                                                     checkouts or two environments
     pdserve bench external [--tools T,T] [--json]   guidellm, inference-perf and aiperf,
                   [--requests N] [--rate R]         unmodified, against the edge beside
-                  [--url URL] [--shared-prefix]     pdserve's own runner (`make clients`)
+                  [--url URL] [--shared-prefix]     pdserve's own runner (make bench-clients)
 """
 from __future__ import annotations
 

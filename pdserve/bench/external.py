@@ -1,7 +1,7 @@
 """`pdserve bench external`: benchmark clients written elsewhere against pdserve's edge.
 
 guidellm, inference-perf and aiperf run unmodified, each from its own virtualenv
-(`make clients`), one after another against the same edge with the same workload
+(`make bench-clients`), one after another against the same edge with the same workload
 (`Shape`: fixed prompt and output lengths, Poisson arrivals), each read from its own
 result files. pdserve's own runner (`pdserve bench compare`'s: vLLM's request function,
 arrivals and metrics) sends the same shape before each tool and once more at the end:
@@ -34,13 +34,14 @@ TOOLS = {m.NAME: m for m in (guidellm, inference_perf, aiperf)}
 _TOOL_TIMEOUT_S = 900
 
 
-def runner_figures(shape: Shape, urls: list[str], model: str, tokenizer) -> dict:
-    """pdserve's runner on `shape`: its TTFT, its ITL per chunk and its TPOT per request."""
+def runner_figures(shape: Shape, urls: list[str], model: str, tokenizer, seed: int) -> dict:
+    """pdserve's runner on `shape`, prompts drawn with `seed`: its TTFT, its ITL per chunk
+    and its TPOT per request."""
     from vllm.benchmarks.datasets import RandomDataset
 
     from .load import latency_figures, metrics, run
     from .workloads import Workload
-    reqs = RandomDataset(random_seed=shape.seed).sample(
+    reqs = RandomDataset(random_seed=seed).sample(
         tokenizer, shape.requests, request_id_prefix="ext-", input_len=shape.prompt_tokens,
         output_len=shape.output_tokens, range_ratio=0.0)
     result = asyncio.run(run(Workload("external", "fixed shape", requests=reqs), urls, model,
@@ -59,7 +60,7 @@ def run_tool(name: str, shape: Shape, url: str, model: str, tokenizer: str, out:
     out.mkdir(parents=True, exist_ok=True)
     cmd = tool.command(shape, url, model, tokenizer, out, **options)
     if not Path(cmd[0]).exists():
-        raise FileNotFoundError(f"{cmd[0]} is missing: run `make clients`")
+        raise FileNotFoundError(f"{cmd[0]} is missing: run `make bench-clients`")
     with open(out / "tool.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=out, env=tool.env(), stdout=log, stderr=log,
                                 start_new_session=True)
@@ -91,10 +92,37 @@ def agreement(tool: dict, runner: dict) -> dict:
             if tool.get(k) is not None and runner.get(k)}
 
 
-def measure(shape: Shape, tools: list[str], url: str, model_dir: str, out: Path) -> dict:
+def cache_counts(urls: list[str]) -> tuple[float, float]:
+    """(hits, queries) of the engines' prefix caches at `urls` (their /metrics), summed."""
+    from .deployments import metric_sum
+    return (sum(metric_sum(u, "vllm:prefix_cache_hits_total") for u in urls),
+            sum(metric_sum(u, "vllm:prefix_cache_queries_total") for u in urls))
+
+
+def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The share of prompt tokens found cached between two `cache_counts`."""
+    queries = after[1] - before[1]
+    return round((after[0] - before[0]) / queries, 3) if queries else None
+
+
+def _timed(run, engines: list[str]) -> dict:
+    """`run()`'s figures, with the engines' prefix-cache hit rate over it where known."""
+    before = cache_counts(engines) if engines else None
+    started = time.monotonic()
+    got = run()
+    got = {**got, "wall_s": round(time.monotonic() - started, 1)}
+    if before:
+        got["prefix_hit_rate"] = hit_rate(before, cache_counts(engines))
+    return got
+
+
+def measure(shape: Shape, tools: list[str], url: str, model_dir: str, out: Path,
+            engines: list[str] = ()) -> dict:
     """The runner, then a tool, for each tool in turn, then the runner once more, against
     the edge at `url`; each tool is compared with the runner's run just before it (the
-    machine drifts between runs: the runner's successive runs show by how much)."""
+    machine drifts between runs: the runner's successive runs show by how much). Every
+    runner run draws prompts of its own: a prompt sent twice would be a prefix-cache hit.
+    `engines`: the workers' /metrics URLs, for each run's prefix-cache hit rate."""
     from transformers import AutoTokenizer
 
     from .load import progress, warm_up
@@ -103,15 +131,15 @@ def measure(shape: Shape, tools: list[str], url: str, model_dir: str, out: Path)
     asyncio.run(warm_up([url], model))
     runners: list[dict] = []
     figures: dict[str, dict] = {}
-    for name in [*tools, None]:
+    for i, name in enumerate([*tools, None]):
         progress(f"pdserve runner: {shape.requests} requests at {shape.rate}/s")
-        runners.append(runner_figures(shape, [url], model, tokenizer))
+        runners.append(_timed(lambda: runner_figures(
+            shape, [url], model, tokenizer, shape.seed + 1000 * (i + 1)), engines))
         if name is None:
             break
         progress(f"{name}: {shape.requests} requests at {shape.rate}/s")
-        started = time.monotonic()
-        got = run_tool(name, shape, url, model, model_dir, out / name)
-        figures[name] = {**asdict(got), "wall_s": round(time.monotonic() - started, 1)}
+        figures[name] = _timed(lambda: asdict(run_tool(name, shape, url, model, model_dir,
+                                                       out / name)), engines)
     return {"shape": asdict(shape), "tools_order": tools, "runner": runners,
             "runner_drift": [agreement(b, a) for a, b in zip(runners, runners[1:])],
             "tools": figures,
@@ -130,7 +158,8 @@ def external(shape: Shape, tools: list[str], url: str, model: str, out: Path) ->
     try:
         progress("starting pdserve up (1 prefill + 1 decode worker)")
         (edge,) = stack.start()
-        result = measure(shape, tools, edge, model, out)
+        result = measure(shape, tools, edge, model, out,
+                         [stack.prefill_metrics, *stack.decode_metrics])
         result["deployment"] = "pdserve up, 1 prefill + 1 decode worker, every prompt " \
                                "prefilled remotely"
         return result
@@ -144,7 +173,7 @@ def _row(name: str, f: dict) -> str:
             f"{cell(f['itl_p50_ms'], 9, 2)}{cell(f['itl_p99_ms'], 9, 2)}"
             f"{cell(f['tpot_p50_ms'], 10, 2)}{cell(f['tpot_p99_ms'], 10, 2)}"
             f"{cell(f['request_throughput'], 8, 2)}{cell(f['output_token_throughput'], 8, 1)}"
-            f"{f['completed']:>5}{f['failed']:>5}")
+            f"{f['completed']:>5}{f['failed']:>5}{f.get('prefix_hit_rate', '-')!s:>8}")
 
 
 def table(result: dict) -> str:
@@ -154,7 +183,8 @@ def table(result: dict) -> str:
             f"{s['output_tokens']} out, Poisson {s['rate']}/s (ms; ITL per chunk, TPOT "
             "per request)",
             f"{'client':<18}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
-            f"{'TPOT p50':>10}{'TPOT p99':>10}{'req/s':>8}{'tok/s':>8}{'ok':>5}{'err':>5}"]
+            f"{'TPOT p50':>10}{'TPOT p99':>10}{'req/s':>8}{'tok/s':>8}{'ok':>5}{'err':>5}"
+            f"{'cached':>8}"]
     rows += [_row(f"pdserve runner {i + 1}", r) for i, r in enumerate(result["runner"])]
     rows += [_row(name, f) for name, f in result["tools"].items()]
     rows.append("each over the runner's run just before it:")
@@ -169,6 +199,15 @@ _SHAPE_FLAGS = {"requests": "requests per client", "rate": "Poisson arrivals per
                 "prompt_tokens": "every prompt's length in the model's tokens",
                 "output_tokens": "tokens every answer streams (EOS ignored)",
                 "seed": "prompts and arrivals, as far as each tool takes a seed"}
+
+
+def install_tools() -> None:
+    """`make bench-clients` in a checkout (each tool's venv from its lock; nothing to do
+    once they are there); elsewhere the tools must be installed already."""
+    from .third_party import ROOT
+    if (ROOT / "Makefile").exists():
+        subprocess.run(["make", "--no-print-directory", "bench-clients"], cwd=ROOT,
+                       stdout=sys.stderr, check=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -207,6 +246,7 @@ def main(argv: list[str]) -> int:
         print(f"pdserve bench external: {e}", file=sys.stderr)
         return 2
     model = _model(a.model)
+    install_tools()
     signal.signal(signal.SIGTERM, lambda sig, _: sys.exit(128 + sig))
     with contextlib.ExitStack() as stack:
         out = Path(a.out) if a.out else Path(stack.enter_context(tempfile.TemporaryDirectory()))

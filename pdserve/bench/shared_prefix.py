@@ -21,8 +21,8 @@ from pathlib import Path
 
 from pdserve.config import RouterConfig
 
-from .deployments import Hardware, PdserveStack, SmgGateway, metric_sum
-from .external import run_tool
+from .deployments import Hardware, PdserveStack, SmgGateway
+from .external import cache_counts, hit_rate, run_tool
 from .load import progress
 from .sessions import _flush, _placements
 from .third_party import Shape, inference_perf
@@ -37,16 +37,6 @@ def data(shape: Shape) -> dict:
                                         QUESTION_TOKENS)
 
 
-def _cache(urls: list[str]) -> tuple[float, float]:
-    return (sum(metric_sum(u, "vllm:prefix_cache_hits_total") for u in urls),
-            sum(metric_sum(u, "vllm:prefix_cache_queries_total") for u in urls))
-
-
-def _rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
-    queries = after[1] - before[1]
-    return round((after[0] - before[0]) / queries, 3) if queries else None
-
-
 def _one(name: str, url: str, shape: Shape, model: str, stack: PdserveStack,
          out: Path) -> dict:
     """One gateway's run from cold caches: inference-perf's figures and the hit rates."""
@@ -54,13 +44,13 @@ def _one(name: str, url: str, shape: Shape, model: str, stack: PdserveStack,
     _flush(engines)
     cached = {"prefill": [stack.prefill_metrics], "decode": stack.decode_metrics,
               "all": [stack.prefill_metrics, *stack.decode_metrics]}
-    before = {role: _cache(urls) for role, urls in cached.items()}
+    before = {role: cache_counts(urls) for role, urls in cached.items()}
     placed = _placements(stack.urls[0])
     progress(f"{name}: inference-perf shared_prefix, {shape.requests} requests at {shape.rate}/s")
     figures = run_tool("inference-perf", shape, url, model, model, out, data=data(shape))
-    after = {role: _cache(urls) for role, urls in cached.items()}
-    result = {**asdict(figures), **{f"{role}_prefix_hit_rate": _rate(before[role], after[role])
-                                    for role in cached}}
+    after = {role: cache_counts(urls) for role, urls in cached.items()}
+    result = {**asdict(figures), **{f"{role}_prefix_hit_rate":
+                                    hit_rate(before[role], after[role]) for role in cached}}
     if name == "pdserve":
         result["placements"] = {r: int(n - placed[r])
                                 for r, n in _placements(stack.urls[0]).items() if n - placed[r]}

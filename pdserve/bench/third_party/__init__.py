@@ -1,5 +1,5 @@
 """Benchmark clients written elsewhere, run unmodified as subprocesses from their own
-virtualenvs (`make clients` puts them under .venv-clients/): one module per tool, each
+virtualenvs (`make bench-clients` puts them under .venv-clients/): one module per tool, each
 turning a `Shape` into the tool's command line and the tool's own result files into
 `Figures`. Nothing here imports the tools; only their files are read."""
 from __future__ import annotations
