@@ -37,18 +37,23 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=_env("PDSERVE_MODEL", ""),
                    help=f"model dir or name (default: the tiny model at {DEFAULT_MODEL_DIR})")
     g.add_argument("--served-model-name", default="", help="name clients use (default: --model)")
-    g.add_argument("--device", choices=["cpu", "cuda"], default=_env("PDSERVE_DEVICE", "cpu"))
+    g.add_argument("--device", choices=["cpu", "cuda"], default=_env("PDSERVE_DEVICE", "cpu"),
+                   help="cpu or cuda: which column of docs/engine-flags.md the engine "
+                        "defaults take")
     g.add_argument("--dtype", default="", help=_by_device("dtype"))
-    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=2048, help="longest prompt plus output")
     g.add_argument("--kv-cache-gb", type=float, default=1.0,
                    help="KV cache size in GiB on cpu (default: 1; on cuda "
                         "--gpu-memory-utilization sizes it)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory for weights and KV cache on cuda "
                         "(default: 0.9; unused on cpu)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs (or CPU ranks) per engine")
+    g.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests one engine runs at once: the decode pool's capacity, "
+                        "which admission reads")
+    g.add_argument("--seed", type=int, default=0, help="random seed")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model eagerly; --no-enforce-eager: CUDA graphs and "
                         "torch.compile (" + _by_device(
@@ -253,7 +258,8 @@ def _add_kv_flags(p: argparse.ArgumentParser, port_help: str, mode_help: str) ->
 
 def add_common(p: argparse.ArgumentParser) -> None:
     """The flags of every command, given before it: `pdserve --log-level DEBUG edge ...`."""
-    p.add_argument("--log-level", default=_env("PDSERVE_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=_env("PDSERVE_LOG_LEVEL", "INFO"),
+                   help="Python logging level")
     p.add_argument("--log-format", choices=["text", "json"],
                    default=_env("PDSERVE_LOG_FORMAT", "text"),
                    help="json: one object a line, with the trace id of the request it is about")
@@ -311,8 +317,8 @@ def add_up(sub: argparse._SubParsersAction) -> None:
 def add_router(sub: argparse._SubParsersAction) -> None:
     """`pdserve router`."""
     r = sub.add_parser("router", help="run the router")
-    r.add_argument("--host", type=unbracketed, default="127.0.0.1")
-    r.add_argument("--port", type=int, default=50051)
+    r.add_argument("--host", type=unbracketed, default="127.0.0.1", help="bind address")
+    r.add_argument("--port", type=int, default=50051, help="gRPC port")
     r.add_argument("--cpus", default="", help="cores to run on (default: any)")
     r.add_argument("--metrics-port", type=int, default=0,
                    help="serve the router's pdserve:router_* metrics over HTTP on this port "
@@ -323,8 +329,8 @@ def add_router(sub: argparse._SubParsersAction) -> None:
 def add_worker(sub: argparse._SubParsersAction, role: str) -> None:
     """`pdserve prefill` and `pdserve decode`."""
     w = sub.add_parser(role, help=f"run a {role} worker")
-    w.add_argument("--host", type=unbracketed, default="127.0.0.1")
-    w.add_argument("--port", type=int, default=0)
+    w.add_argument("--host", type=unbracketed, default="127.0.0.1", help="bind address")
+    w.add_argument("--port", type=int, default=0, help="gRPC port (0: any free one)")
     w.add_argument("--advertise-host", type=unbracketed, default="",
                    help="address others dial (default --host)")
     w.add_argument("--router", default="127.0.0.1:50051",
@@ -334,7 +340,8 @@ def add_worker(sub: argparse._SubParsersAction, role: str) -> None:
     _add_file_flags(w, (("--cluster-token-file", "PDSERVE_CLUSTER_TOKEN_FILE",
                          "a file holding the cluster token this worker shows when it registers "
                          "(the routers' --cluster-token-file); empty: none"),))
-    w.add_argument("--worker-id", default="")
+    w.add_argument("--worker-id", default="",
+                   help="id the router knows the worker by (default: ROLE-HOSTNAME-PORT)")
     _add_kv_flags(w, "NIXL side-channel port",
                   "pull: the decode engine READs the blocks; push: the prefill "
                   "engine WRITEs them (prefill and decode workers must agree)")
@@ -352,7 +359,7 @@ def add_edge(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("edge", help="run the HTTP edge")
     e.add_argument("--host", type=unbracketed, default=_env("PDSERVE_HOST", "127.0.0.1"),
                    help="bind address (`::`: every IPv6 and IPv4 address)")
-    e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")))
+    e.add_argument("--port", type=int, default=int(_env("PDSERVE_PORT", "8000")), help="HTTP port")
     e.add_argument("--grpc-port", type=int, default=50081, help="internal Inference gRPC API")
     e.add_argument("--metrics-port", type=int, default=0,
                    help="serve /metrics on this port (on --host) instead of --port, which then "
@@ -367,11 +374,16 @@ def add_edge(sub: argparse._SubParsersAction) -> None:
                    help="with --router embedded: where the Router service binds")
     e.add_argument("--router-port", type=int, default=RouterConfig().port,
                    help="with --router embedded: the Router service's port")
-    e.add_argument("--model", default=_env("PDSERVE_MODEL", ""))
-    e.add_argument("--served-model-name", default="")
-    e.add_argument("--max-model-len", type=int, default=2048)
-    e.add_argument("--min-prefill-workers", type=int, default=1)
-    e.add_argument("--min-decode-workers", type=int, default=1)
+    e.add_argument("--model", default=_env("PDSERVE_MODEL", ""),
+                   help="model dir or name: tokenizer, chat template, the name in "
+                        "/v1/models (default: the tiny model)")
+    e.add_argument("--served-model-name", default="", help="name clients use (default: --model)")
+    e.add_argument("--max-model-len", type=int, default=2048,
+                   help="longest prompt plus output; a longer request is 400")
+    e.add_argument("--min-prefill-workers", type=int, default=1,
+                   help="/health is 503 below this many serving prefill workers")
+    e.add_argument("--min-decode-workers", type=int, default=1,
+                   help="/health is 503 below this many serving decode workers")
     e.add_argument("--cpus", default="", help="cores to run on (default: any)")
     _add_edge_flags(e)
     _add_router_flags(e)
@@ -380,8 +392,8 @@ def add_edge(sub: argparse._SubParsersAction) -> None:
 def add_harness(sub: argparse._SubParsersAction) -> None:
     """`build-model`, and the harness's `chaos` and `bench`, which parse their own flags."""
     b = sub.add_parser("build-model", help="build the tiny offline model if absent")
-    b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default=str(DEFAULT_MODEL_DIR), help="where the model is written")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 
     chaos = sub.add_parser("chaos", add_help=False,
                            help="kill real workers under streaming load; check no stream "

@@ -36,10 +36,10 @@ class Child:
     `output`: "inherit" (the parent's stdout and stderr), "lines" (kept in `lines`, read by
     a thread) or "file" (a temporary file, removed by `close`). `signal_session`: SIGTERM
     goes to the child's whole session, not the child alone. `cores`: the CPU cores it may
-    run on."""
+    run on. `env` adds to this process's environment; a value None removes that name."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str] | None = None, *, name: str = "",
-                 output: Output = "inherit", cwd: str | Path | None = None,
+    def __init__(self, cmd: list[str], env: dict[str, str | None] | None = None, *,
+                 name: str = "", output: Output = "inherit", cwd: str | Path | None = None,
                  cores: Iterable[int] | None = None, signal_session: bool = False):
         self.name = name or cmd[0]
         self.signal_session = signal_session
@@ -56,7 +56,8 @@ class Child:
             streams = dict(stdout=fd, stderr=subprocess.STDOUT)
         try:
             self.popen = subprocess.Popen(
-                cmd, env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+                cmd, env={k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None},
+                cwd=cwd, start_new_session=True,
                 preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
                 **streams)
         finally:

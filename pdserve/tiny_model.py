@@ -176,7 +176,7 @@ def ensure_tiny_model(out_dir: Path, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
     print(ensure_tiny_model(args.out_dir, args.seed))
 

@@ -369,10 +369,10 @@ def passed(out: dict) -> bool:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule and the prompts")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load and faults")
     p.add_argument("--concurrency", type=int, default=4, help="streaming clients")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per stream")
     p.add_argument("--prompts", type=int, default=8, help="distinct prompts")
     p.add_argument("--faults", default=",".join(_FAULTS),
                    help=f"fault kinds to draw from: {', '.join(_FAULTS)}")
@@ -382,8 +382,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-calls", choices=["per-request", "batched"],
                    default=EdgeConfig(model="-").decode_calls,
                    help="how the edge reads decode tokens (pdserve edge --decode-calls)")
-    p.add_argument("--model", default="models/tiny-llama")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--model", default="models/tiny-llama", help="model dir")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
 

@@ -88,15 +88,16 @@ def _compare_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", default=[],
                    choices=["disaggregated", "conditional", "colocated_1x2", "colocated_2x1"],
                    help="run only this deployment (repeatable)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: cores are the compute units; cuda: GPUs")
     p.add_argument("--gpus", default="0,1",
                    help="cuda: GPU ids shared out like cores (half prefill, half decode)")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt plus output")
     p.add_argument("--rates", default="",
                    help="comma-separated request rates for every workload (default: the plan's)")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per run for every workload (default: the plan's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     return p
 
 
@@ -172,15 +173,15 @@ def _gateways(argv: list[str]) -> int:
                 "workers, side by side.")
     p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
     p.add_argument("--requests", type=int, default=30, help="requests per rep and gateway")
-    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--router-in-edge", action="store_true",
                    help="a third gateway over the same workers: a pdserve edge running its "
                         "router in-process (`edge --router embedded`)")
     p.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                    help="the pdserve edges' --first-token (whose token the client gets first)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = p.parse_args(argv)
     if a.requests < 1 or a.reps < 1 or a.rate <= 0:
         print("pdserve bench gateways: --requests, --reps and --rate must be > 0", file=sys.stderr)
@@ -211,11 +212,11 @@ def _router(argv: list[str]) -> int:
     p = _parser("router", "The router's placement replayed on a synthetic multi-turn chat trace, "
                 "against baseline policies (no engines; seconds).")
     p.add_argument("--workers", type=int, default=4, help="decode workers")
-    p.add_argument("--sessions", type=int, default=2400)
+    p.add_argument("--sessions", type=int, default=2400, help="chat sessions in the trace")
     p.add_argument("--balance", type=float, default=1.25, help="bounded-load factor c")
     p.add_argument("--balance-slack", type=int, default=RouterConfig().balance_slack,
                    help="or this many requests over the mean")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--seeds", type=int, default=1,
                    help="also replay the traces of the next seeds, and summarise them all")
     p.add_argument("--tenants", type=int, default=1,
@@ -225,7 +226,7 @@ def _router(argv: list[str]) -> int:
                    default="none",
                    help="tenants' cache salts: none, one each, one each after the group's "
                         "system prompt; compare: the three side by side (hit rate per tenant)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = p.parse_args(argv)
     if a.workers < 2 or a.sessions < 10 or a.balance < 1 or a.seeds < 1 or a.tenants < 1:
         print("pdserve bench router: needs --workers >= 2, --sessions >= 10, --balance >= 1, "
@@ -281,8 +282,8 @@ def _placement(argv: list[str]) -> int:
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates),
                    help="decisions offered per second, comma-separated")
     p.add_argument("--seconds", type=float, default=d.seconds, help="at each rate")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = p.parse_args(argv)
     try:
         cfg = PlacementBench(workers=a.workers, prefixes=a.prefixes,
@@ -305,15 +306,15 @@ def _sessions(argv: list[str]) -> int:
     p = _parser("sessions", "Multi-turn chat sessions through pdserve and SMG (cache_aware, "
                 "consistent_hashing) in front of the same prefill worker and 2 decode workers.")
     p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
-    p.add_argument("--sessions", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=16, help="chat sessions per rep")
+    p.add_argument("--turns", type=int, default=4, help="turns per session")
     p.add_argument("--concurrency", type=int, default=4, help="sessions at once")
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions")
     p.add_argument("--balance", type=float, default=1.25, help="pdserve's bounded-load factor")
     p.add_argument("--balance-slack", type=int, default=RouterConfig().balance_slack,
                    help="pdserve's bounded-load slack (requests over the mean)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = p.parse_args(argv)
     if min(a.sessions, a.turns, a.concurrency, a.reps) < 1 or a.balance < 1:
         print("pdserve bench sessions: every count and --balance must be >= 1", file=sys.stderr)
@@ -404,7 +405,7 @@ def _admission(argv: list[str]) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="synthetic backend, a few seconds per phase: checks the runner")
     p.add_argument("--model", default="", help=f"model dir (default: {DEFAULT_MODEL_DIR})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     a = p.parse_args(argv)
     st = SMOKE if a.smoke else Settings()

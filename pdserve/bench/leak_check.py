@@ -42,13 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=24,
                    help="long enough that some cuts land during decode")
     p.add_argument("--words", type=int, default=120, help="prompt length, in words")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--model", default="models/tiny-llama", help="model dir")
     p.add_argument("--url", default="", help="a running edge (else start pdserve up)")
     p.add_argument("--prefill", default="", help="its prefill worker's gRPC address")
     p.add_argument("--prefill-metrics", default="")
     p.add_argument("--decode-metrics", default="")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
 

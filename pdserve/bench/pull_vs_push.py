@@ -41,13 +41,13 @@ _XFER = "vllm:nixl_xfer_time_seconds"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.pull_vs_push", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/tiny-llama")
+    p.add_argument("--model", default="models/tiny-llama", help="model dir")
     p.add_argument("--lengths", default="1024,8192", help="prompt lengths in tokens")
     p.add_argument("--requests", type=int, default=6, help="per length, mode and rep")
     p.add_argument("--reps", type=int, default=2, help="stacks per mode, alternating")
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per stream")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
 

@@ -121,8 +121,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4, help="trials at once")
     p.add_argument("--max-tokens", type=int, default=48, help="max_output_tokens per response")
     p.add_argument("--model", default="", help="model dir (default: the tiny model)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
 

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model dir: its tokenizer spells the stamps")
     p.add_argument("--served-model-name", default="", help="default: --model")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, default=50071, help="the engine protocol's (gRPC)")
     p.add_argument("--http-port", type=int, default=0,
                    help="serve streamed /v1/completions here too (0: off)")

@@ -186,7 +186,9 @@ def _load_object(raw: bytes) -> dict:
     return body
 
 
-def _flatten_content(content: Any, param: str) -> str:
+def text_parts(content: Any, param: str, kinds: tuple[str, ...] = ("text",)) -> str | list[str]:
+    """A message's content: a string as it is, or the texts of its array of text parts
+    (each part's type one of `kinds`); anything else is a 400 naming where."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -194,13 +196,19 @@ def _flatten_content(content: Any, param: str) -> str:
     texts = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise _bad(f"'{where}' must be a text part; only text content is supported", where)
+        if not isinstance(part, dict) or part.get("type") not in kinds:
+            raise _bad(f"'{where}' must be a text part ({' or '.join(kinds)}); only text "
+                       "content is supported", where)
         if not isinstance(part.get("text"), str):
             raise _bad(f"'{where}.text' must be a string", f"{where}.text")
         texts.append(part["text"])
+    return texts
+
+
+def _flatten_content(content: Any, param: str) -> str:
+    texts = text_parts(content, param)
     # vLLM's joiner, so prompts (and prefix-cache hits) match a direct vLLM call.
-    return "\n".join(texts)
+    return texts if isinstance(texts, str) else "\n".join(texts)
 
 
 def _parse_messages(body: dict) -> tuple[dict, ...]:

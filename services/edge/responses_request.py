@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .openai_protocol import APIError
+from .openai_protocol import APIError, text_parts
 
 # Fields read here; anything else is refused by name.
 KNOWN = frozenset({
@@ -112,19 +112,10 @@ def _flag(body: dict, key: str, default: bool) -> bool:
 
 
 def _text(content: Any, where: str) -> str | list:
-    """A message's content: a string, or its text parts (input_text / output_text)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(f"'{where}' must be a string or an array of content parts", where)
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise _bad(f"'{where}[{j}]' must be a text part (input_text or output_text); "
-                       "only text input is supported", f"{where}[{j}]")
-        parts.append({"type": "text", "text": part.get("text")})
-    return parts
+    """A message's content: a string, or its text parts (input_text / output_text) as
+    chat's text parts."""
+    texts = text_parts(content, where, ("input_text", "output_text", "text"))
+    return texts if isinstance(texts, str) else [{"type": "text", "text": t} for t in texts]
 
 
 def _item(item: Any, where: str) -> dict:

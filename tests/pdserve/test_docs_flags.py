@@ -26,47 +26,6 @@ END = "<!-- flags: end of the generated part -->"
 # argparse's own groups; every other titled group is shared and documented once.
 OWN_GROUPS = {"options", "optional arguments", "positional arguments"}
 
-# What the page says of a flag whose parser gives it no help: by (command, flag), then
-# by flag.
-HELP = {
-    ("pdserve", "--log-level"): "Python logging level",
-    ("pdserve up", "--router-port"): "the router's gRPC port",
-    ("pdserve router", "--host"): "bind address",
-    ("pdserve router", "--port"): "gRPC port",
-    ("pdserve prefill", "--host"): "bind address",
-    ("pdserve prefill", "--port"): "gRPC port (0: any free one)",
-    ("pdserve prefill", "--router"): "the router's HOST:PORT, registered with and heartbeated",
-    ("pdserve prefill", "--worker-id"): "id the router knows the worker by "
-                                        "(default: ROLE-HOSTNAME-PORT)",
-    ("pdserve edge", "--port"): "HTTP port",
-    ("pdserve edge", "--model"): "model dir or name: tokenizer, chat template, the name in "
-                                 "/v1/models (default: the tiny model)",
-    ("pdserve edge", "--served-model-name"): "name clients use (default: --model)",
-    ("pdserve edge", "--max-model-len"): "longest prompt plus output; a longer request is 400",
-    ("pdserve edge", "--min-prefill-workers"): "/health is 503 below this many serving "
-                                               "prefill workers",
-    ("pdserve edge", "--min-decode-workers"): "/health is 503 below this many serving "
-                                              "decode workers",
-    ("pdserve build-model", "--out"): "where the model is written",
-    ("pdserve build-model", "--seed"): "seed of the random weights",
-    ("pdserve chaos", "--seed"): "seed of the fault schedule and the prompts",
-    ("pdserve chaos", "--max-tokens"): "tokens per stream",
-    ("pdserve chaos", "--model"): "model dir",
-    ("pdserve bench compare", "--device"): "cpu: cores are the compute units; cuda: GPUs",
-    ("pdserve bench gateways", "--rate"): "requests per second (Poisson)",
-    ("pdserve bench router", "--sessions"): "chat sessions in the trace",
-    ("pdserve bench sessions", "--sessions"): "chat sessions per rep",
-    ("pdserve bench sessions", "--turns"): "turns per session",
-    "--json": "print the result as one JSON object",
-    "--seed": "random seed",
-    "--device": "cpu or cuda: which column of docs/engine-flags.md the engine defaults take",
-    "--max-model-len": "longest prompt plus output",
-    "--tensor-parallel-size": "GPUs (or CPU ranks) per engine",
-    "--max-num-seqs": "requests one engine runs at once: the decode pool's capacity, "
-                      "which admission reads",
-}
-# Commands documented together: the same parser.
-SAME_AS = {"pdserve decode": "pdserve prefill"}
 DESCRIPTION = {"pdserve bench compare": "pdserve disaggregated, pdserve with conditional "
                                         "disaggregation and stock vLLM colocated, one after "
                                         "another on the same cores, model and workloads."}
@@ -152,21 +111,15 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _help(command: str, a: argparse.Action) -> str:
-    if a.help:
-        return a.help % {"default": a.default} if "%(" in a.help else a.help
-    command = SAME_AS.get(command, command)
-    for key in ((command, a.option_strings[-1]), a.option_strings[-1]):
-        if key in HELP:
-            return HELP[key]
-    return ""
+def _help(a: argparse.Action) -> str:
+    return a.help % {"default": a.default} if "%(" in (a.help or "") else a.help or ""
 
 
 def _row(command: str, a: argparse.Action, env: dict[str, str]) -> str:
     names = " / ".join(f"`{s}`" for s in a.option_strings)
     if a.metavar and not isinstance(a.metavar, tuple):
         names += f" {a.metavar}"
-    help_ = _help(command, a)
+    help_ = _help(a)
     if a.dest in env:
         help_ = f"{help_}; env `{env[a.dest]}`".lstrip("; ")
     if a.choices:
@@ -320,3 +273,10 @@ if __name__ == "__main__":
         print(f"wrote {DOC}")
     else:
         print(render())
+
+
+def test_every_flag_says_what_it_does_in_its_own_help():
+    """`pdserve ... --help` and the page say the same: no flag left without a help text."""
+    silent = [f"{name} {a.option_strings[-1]}" for name, p in commands().items()
+              for a in _flags(p._actions) if not a.help]
+    assert not silent, silent
