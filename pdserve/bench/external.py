@@ -41,6 +41,7 @@ def runner_figures(shape: Shape, urls: list[str], model: str, tokenizer, seed: i
 
     from .load import latency_figures, metrics, run
     from .workloads import Workload
+    cpu = time.process_time()
     reqs = RandomDataset(random_seed=seed).sample(
         tokenizer, shape.requests, request_id_prefix="ext-", input_len=shape.prompt_tokens,
         output_len=shape.output_tokens, range_ratio=0.0)
@@ -48,19 +49,22 @@ def runner_figures(shape: Shape, urls: list[str], model: str, tokenizer, seed: i
                              shape.rate, shape.seed))
     m = metrics(result, tokenizer)
     return {"completed": m.completed, "failed": m.failed, **latency_figures(m),
+            "client_cpu_s": round(time.process_time() - cpu, 1),
             "request_throughput": round(float(m.request_throughput), 3),
             "output_token_throughput": round(float(m.output_throughput), 2)}
 
 
 def run_tool(name: str, shape: Shape, url: str, model: str, tokenizer: str, out: Path,
-             **options) -> Figures:
-    """One tool, unmodified, as a subprocess in its own session; its figures. `options`
-    go to the tool's `command` (inference-perf: `data`, another workload)."""
+             **options) -> tuple[Figures, float]:
+    """One tool, unmodified, as a subprocess in its own session; its figures and the CPU
+    seconds it spent (on the cores the engines run on). `options` go to the tool's
+    `command` (inference-perf: `data`, another workload)."""
     tool = TOOLS[name]
     out.mkdir(parents=True, exist_ok=True)
     cmd = tool.command(shape, url, model, tokenizer, out, **options)
     if not Path(cmd[0]).exists():
         raise FileNotFoundError(f"{cmd[0]} is missing: run `make bench-clients`")
+    cpu = _children_cpu_s()
     with open(out / "tool.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=out, env=tool.env(), stdout=log, stderr=log,
                                 start_new_session=True)
@@ -73,7 +77,14 @@ def run_tool(name: str, shape: Shape, url: str, model: str, tokenizer: str, out:
     if code != 0:
         tail = (out / "tool.log").read_text()[-3000:]
         raise RuntimeError(f"{name} exited {code}: {shlex.join(cmd)}\n{tail}")
-    return tool.parse(out)
+    return tool.parse(out), round(_children_cpu_s() - cpu, 1)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the children this process has waited for (and theirs)."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _served_model(url: str) -> str:
@@ -116,6 +127,12 @@ def _timed(run, engines: list[str]) -> dict:
     return got
 
 
+def _tool_figures(name: str, shape: Shape, url: str, model: str, tokenizer: str,
+                  out: Path) -> dict:
+    figures, cpu = run_tool(name, shape, url, model, tokenizer, out)
+    return {**asdict(figures), "client_cpu_s": cpu}
+
+
 def measure(shape: Shape, tools: list[str], url: str, model_dir: str, out: Path,
             engines: list[str] = ()) -> dict:
     """The runner, then a tool, for each tool in turn, then the runner once more, against
@@ -138,8 +155,8 @@ def measure(shape: Shape, tools: list[str], url: str, model_dir: str, out: Path,
         if name is None:
             break
         progress(f"{name}: {shape.requests} requests at {shape.rate}/s")
-        figures[name] = _timed(lambda: asdict(run_tool(name, shape, url, model, model_dir,
-                                                       out / name)), engines)
+        figures[name] = _timed(lambda: _tool_figures(name, shape, url, model, model_dir,
+                                                     out / name), engines)
     return {"shape": asdict(shape), "tools_order": tools, "runner": runners,
             "runner_drift": [agreement(b, a) for a, b in zip(runners, runners[1:])],
             "tools": figures,
@@ -173,7 +190,8 @@ def _row(name: str, f: dict) -> str:
             f"{cell(f['itl_p50_ms'], 9, 2)}{cell(f['itl_p99_ms'], 9, 2)}"
             f"{cell(f['tpot_p50_ms'], 10, 2)}{cell(f['tpot_p99_ms'], 10, 2)}"
             f"{cell(f['request_throughput'], 8, 2)}{cell(f['output_token_throughput'], 8, 1)}"
-            f"{f['completed']:>5}{f['failed']:>5}{f.get('prefix_hit_rate', '-')!s:>8}")
+            f"{f['completed']:>5}{f['failed']:>5}{f.get('prefix_hit_rate', '-')!s:>8}"
+            f"{f['client_cpu_s']:>8}{f['wall_s']:>7}")
 
 
 def table(result: dict) -> str:
@@ -181,10 +199,10 @@ def table(result: dict) -> str:
     s = result["shape"]
     rows = [f"{s['requests']} completions, {s['prompt_tokens']} tokens in, "
             f"{s['output_tokens']} out, Poisson {s['rate']}/s (ms; ITL per chunk, TPOT "
-            "per request)",
+            "per request; cpu s: the client's own)",
             f"{'client':<18}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
             f"{'TPOT p50':>10}{'TPOT p99':>10}{'req/s':>8}{'tok/s':>8}{'ok':>5}{'err':>5}"
-            f"{'cached':>8}"]
+            f"{'cached':>8}{'cpu s':>8}{'wall':>7}"]
     rows += [_row(f"pdserve runner {i + 1}", r) for i, r in enumerate(result["runner"])]
     rows += [_row(name, f) for name, f in result["tools"].items()]
     rows.append("each over the runner's run just before it:")

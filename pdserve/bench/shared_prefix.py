@@ -47,9 +47,9 @@ def _one(name: str, url: str, shape: Shape, model: str, stack: PdserveStack,
     before = {role: cache_counts(urls) for role, urls in cached.items()}
     placed = _placements(stack.urls[0])
     progress(f"{name}: inference-perf shared_prefix, {shape.requests} requests at {shape.rate}/s")
-    figures = run_tool("inference-perf", shape, url, model, model, out, data=data(shape))
+    figures, cpu = run_tool("inference-perf", shape, url, model, model, out, data=data(shape))
     after = {role: cache_counts(urls) for role, urls in cached.items()}
-    result = {**asdict(figures), **{f"{role}_prefix_hit_rate":
+    result = {**asdict(figures), "client_cpu_s": cpu, **{f"{role}_prefix_hit_rate":
                                     hit_rate(before[role], after[role]) for role in cached}}
     if name == "pdserve":
         result["placements"] = {r: int(n - placed[r])

@@ -12,6 +12,7 @@ from . import Figures, Shape, environment, executable
 
 NAME = "guidellm"
 REPORT = "guidellm.json"
+START_DELAY_S = 30
 
 
 def command(shape: Shape, url: str, model: str, tokenizer: str, out: Path) -> list[str]:
@@ -29,8 +30,12 @@ def command(shape: Shape, url: str, model: str, tokenizer: str, out: Path) -> li
 
 
 def env() -> dict[str, str]:
-    """One worker process instead of its 10: each imports torch (a minute on 2 cores)."""
-    e = environment(GUIDELLM__MAX_WORKER_PROCESSES="1")
+    """One worker process instead of its 10: each imports torch (a minute on 2 cores).
+    Its schedule starts 1 s after it spawns that worker by default; a worker still
+    importing then sends every request whose time has passed at once (40 within 0.14 s
+    was seen), so the start waits until a worker is surely up."""
+    e = environment(GUIDELLM__MAX_WORKER_PROCESSES="1",
+                    GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED=str(START_DELAY_S))
     e.pop("PYTHONDONTWRITEBYTECODE", None)   # keep the bytecode `make clients` compiled
     return e
 
