@@ -32,6 +32,8 @@ from .third_party import aiperf, guidellm, inference_perf
 
 TOOLS = {m.NAME: m for m in (guidellm, inference_perf, aiperf)}
 _TOOL_TIMEOUT_S = 900
+# vLLM's arrivals: gamma-distributed gaps; a shape this large spaces them evenly.
+_BURSTINESS = {"poisson": 1.0, "constant": 1e6}
 
 
 def runner_figures(shape: Shape, urls: list[str], model: str, tokenizer, seed: int) -> dict:
@@ -46,7 +48,7 @@ def runner_figures(shape: Shape, urls: list[str], model: str, tokenizer, seed: i
         tokenizer, shape.requests, request_id_prefix="ext-", input_len=shape.prompt_tokens,
         output_len=shape.output_tokens, range_ratio=0.0)
     result = asyncio.run(run(Workload("external", "fixed shape", requests=reqs), urls, model,
-                             shape.rate, shape.seed))
+                             shape.rate, shape.seed, burstiness=_BURSTINESS[shape.arrival]))
     m = metrics(result, tokenizer)
     return {"completed": m.completed, "failed": m.failed, **latency_figures(m),
             "client_cpu_s": round(time.process_time() - cpu, 1),
@@ -198,7 +200,7 @@ def table(result: dict) -> str:
     """Runner and tools side by side, then each one's ratio to the runner's run before it."""
     s = result["shape"]
     rows = [f"{s['requests']} completions, {s['prompt_tokens']} tokens in, "
-            f"{s['output_tokens']} out, Poisson {s['rate']}/s (ms; ITL per chunk, TPOT "
+            f"{s['output_tokens']} out, {s['arrival']} {s['rate']}/s (ms; ITL per chunk, TPOT "
             "per request; cpu s: the client's own)",
             f"{'client':<18}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
             f"{'TPOT p50':>10}{'TPOT p99':>10}{'req/s':>8}{'tok/s':>8}{'ok':>5}{'err':>5}"
@@ -240,6 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     for field, helps in _SHAPE_FLAGS.items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(getattr(d, field)),
                        default=getattr(d, field), help=helps)
+    p.add_argument("--arrival", choices=("poisson", "constant"), default=d.arrival,
+                   help="arrivals at --rate: Poisson, or evenly spaced")
     p.add_argument("--out", default="", help="keep each tool's own files here "
                                              "(default: a temporary directory)")
     p.add_argument("--shared-prefix", action="store_true",
@@ -259,7 +263,7 @@ def main(argv: list[str]) -> int:
     try:
         if not tools or set(tools) - set(TOOLS):
             raise ValueError(f"--tools is a subset of {','.join(TOOLS)}")
-        shape = Shape(a.prompt_tokens, a.output_tokens, a.requests, a.rate, a.seed)
+        shape = Shape(a.prompt_tokens, a.output_tokens, a.requests, a.rate, a.seed, a.arrival)
     except ValueError as e:
         print(f"pdserve bench external: {e}", file=sys.stderr)
         return 2

@@ -134,3 +134,14 @@ def test_shared_prefix_replaces_only_the_data_of_inference_perfs_config():
     assert (sp["output_len"], sp["seed"], sp["num_groups"], sp["num_prompts_per_group"],
             sp["system_prompt_len"], sp["question_len"]) == (24, 3, 4, 3, 512, 64)
     assert c["load"]["stages"] == [{"rate": 2.0, "duration": 15}]
+
+
+def test_constant_arrivals_reach_every_tool():
+    shape = Shape(arrival="constant", rate=4.0)
+    args = ("http://127.0.0.1:1", "m", "/t", Path("/o"))
+    assert "kind=constant,rate=4.0" in guidellm.command(shape, *args)
+    a = aiperf.command(shape, *args)
+    assert a[a.index("--arrival-pattern") + 1] == "constant"
+    assert inference_perf.config(shape, *args)["load"]["type"] == "constant"
+    with pytest.raises(ValueError, match="arrival"):
+        Shape(arrival="bursty")

@@ -17,16 +17,19 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 @dataclass(frozen=True, slots=True)
 class Shape:
     """The workload every client sends: `requests` streamed text completions of exactly
-    `prompt_tokens` tokens in and `output_tokens` out (EOS ignored), arriving Poisson at
-    `rate` per second."""
+    `prompt_tokens` tokens in and `output_tokens` out (EOS ignored), arriving at `rate`
+    per second, `arrival` "poisson" or "constant" (evenly spaced)."""
 
     prompt_tokens: int = 1024
     output_tokens: int = 64
     requests: int = 40
     rate: float = 2.0
     seed: int = 0
+    arrival: str = "poisson"
 
     def __post_init__(self) -> None:
+        if self.arrival not in ("poisson", "constant"):
+            raise ValueError(f"arrival must be 'poisson' or 'constant', got {self.arrival!r}")
         for name in ("prompt_tokens", "output_tokens", "requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

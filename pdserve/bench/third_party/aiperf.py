@@ -23,7 +23,7 @@ def command(shape: Shape, url: str, model: str, tokenizer: str, out: Path) -> li
             "--prompt-input-tokens-stddev", "0",
             "--prompt-output-tokens-mean", str(shape.output_tokens),
             "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
-            "--request-rate", str(shape.rate), "--arrival-pattern", "poisson",
+            "--request-rate", str(shape.rate), "--arrival-pattern", shape.arrival,
             "--request-count", str(shape.requests), "--random-seed", str(shape.seed),
             "--output-artifact-dir", str(out), "--ui-type", "none",
             "--no-server-metrics", "--no-gpu-telemetry", "--workers-max", "1",

@@ -2,7 +2,11 @@
 
 Its TTFT is the time to the first streamed token; its `inter_token_latency_ms` is one
 value per request, (last token - first token) / (output tokens - 1), its percentiles
-weighted by tokens: what vLLM calls TPOT. It reports no gap between chunks (vLLM's ITL)."""
+weighted by tokens: what vLLM calls TPOT. It reports no gap between chunks (vLLM's ITL).
+NOTE: its Poisson profile (0.8.1) can send every request at once: the main process wakes
+the worker before it sets the schedule's origin, and a worker already waiting draws all
+its arrival times from the unset origin (-1 s), all long past; `--arrival constant`
+schedules from the run's start time instead."""
 from __future__ import annotations
 
 import json
@@ -12,7 +16,6 @@ from . import Figures, Shape, environment, executable
 
 NAME = "guidellm"
 REPORT = "guidellm.json"
-START_DELAY_S = 30
 
 
 def command(shape: Shape, url: str, model: str, tokenizer: str, out: Path) -> list[str]:
@@ -20,7 +23,7 @@ def command(shape: Shape, url: str, model: str, tokenizer: str, out: Path) -> li
     return [str(executable(NAME, "guidellm")), "run",
             "--backend", f"kind=openai_http,target={url},model={model},"
                          "request_format=/v1/completions",
-            "--profile", f"kind=poisson,rate={shape.rate}",
+            "--profile", f"kind={shape.arrival},rate={shape.rate}",
             "--constraint", f"kind=max_requests,count={shape.requests}",
             "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
             "--data", f"kind=synthetic_text,prompt_tokens={shape.prompt_tokens},"
@@ -30,12 +33,8 @@ def command(shape: Shape, url: str, model: str, tokenizer: str, out: Path) -> li
 
 
 def env() -> dict[str, str]:
-    """One worker process instead of its 10: each imports torch (a minute on 2 cores).
-    Its schedule starts 1 s after it spawns that worker by default; a worker still
-    importing then sends every request whose time has passed at once (40 within 0.14 s
-    was seen), so the start waits until a worker is surely up."""
-    e = environment(GUIDELLM__MAX_WORKER_PROCESSES="1",
-                    GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED=str(START_DELAY_S))
+    """One worker process instead of its 10: each imports torch (a minute on 2 cores)."""
+    e = environment(GUIDELLM__MAX_WORKER_PROCESSES="1")
     e.pop("PYTHONDONTWRITEBYTECODE", None)   # keep the bytecode `make clients` compiled
     return e
 

@@ -39,7 +39,7 @@ def config(shape: Shape, url: str, model: str, tokenizer: str, out: Path,
                     "output_distribution": _fixed(shape.output_tokens)}
     return {"api": {"type": "completion", "streaming": True},
             "data": data,
-            "load": {"type": "poisson", "num_workers": 1, "base_seed": shape.seed,
+            "load": {"type": shape.arrival, "num_workers": 1, "base_seed": shape.seed,
                      "stages": [{"rate": shape.rate,
                                  "duration": max(1, math.ceil(shape.requests / shape.rate))}]},
             "server": {"type": "vllm", "model_name": model, "base_url": url, "ignore_eos": True},
