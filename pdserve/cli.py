@@ -9,6 +9,7 @@ Subcommands:
   build-model  build the tiny offline test model
   bench     load and side-by-side benchmarks (`pdserve bench compare --quick`)
   chaos     kill workers under streaming load; no stream may be lost
+  plan      measure the engine for deployment planning (`pdserve plan profile --quick`)
 """
 from __future__ import annotations
 
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.command == "bench":
         from pdserve.bench.cli import main as bench_main
         sys.exit(bench_main(a.args))
+    if a.command == "plan":
+        from pdserve.bench.plan.cli import main as plan_main
+        sys.exit(plan_main(a.args))
     if a.command == "build-model":
         from pdserve.tiny_model import ensure_tiny_model
         print(ensure_tiny_model(Path(a.out), seed=a.seed))

@@ -390,7 +390,8 @@ def add_edge(sub: argparse._SubParsersAction) -> None:
 
 
 def add_harness(sub: argparse._SubParsersAction) -> None:
-    """`build-model`, and the harness's `chaos` and `bench`, which parse their own flags."""
+    """`build-model`, and the harness's `chaos`, `bench` and `plan`, which parse their own
+    flags."""
     b = sub.add_parser("build-model", help="build the tiny offline model if absent")
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR), help="where the model is written")
     b.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -402,3 +403,7 @@ def add_harness(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", add_help=False,
                            help="serve: vLLM's serving benchmark; compare: P/D vs colocated")
     bench.add_argument("args", nargs=argparse.REMAINDER)
+    plan = sub.add_parser("plan", add_help=False,
+                          help="profile: measure the engine's costs for the planner "
+                               "(`pdserve plan profile --quick`)")
+    plan.add_argument("args", nargs=argparse.REMAINDER)

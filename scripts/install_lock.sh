@@ -13,10 +13,8 @@ pip=("$py" -m pip --disable-pip-version-check)
 if [ "${PDSERVE_INSTALLER:-uv}" = uv ] && "${pip[@]}" install -q "uv==0.13.8" 2>/dev/null; then
     links=()  # pip's local wheel folders, which uv does not read from pip's settings
     for l in ${PIP_FIND_LINKS:-}; do links+=(--find-links "$l"); done
-    # Bytecode written at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI),
-    # nothing writes it later, and every process would compile vLLM and torch again.
-    install=("$(dirname "$py")/uv" pip install -q --python "$py" --no-deps --compile-bytecode
-             "${links[@]}")
+    # No bytecode here (pip writes it all): `make test` writes what runs, as it first runs.
+    install=("$(dirname "$py")/uv" pip install -q --python "$py" --no-deps "${links[@]}")
     uninstall=("$(dirname "$py")/uv" pip uninstall -q --python "$py")
 else
     install=("${pip[@]}" install -q --no-deps)

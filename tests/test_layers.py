@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"pdserve": "pdserve", "services": "pdserve.services", "transfer": "pdserve.transfer"}
 HARNESS = "pdserve.bench"
 # The CLI's doors to the harness: imported inside the `bench` and `chaos` commands.
-HARNESS_DOORS = {("pdserve.cli", "pdserve.bench.cli"), ("pdserve.cli", "pdserve.bench.chaos")}
+HARNESS_DOORS = {("pdserve.cli", "pdserve.bench.cli"), ("pdserve.cli", "pdserve.bench.chaos"),
+                 ("pdserve.cli", "pdserve.bench.plan.cli")}
 CONTRACT = "pdserve.transfer.params"
 ENGINE_STACK = ("vllm", "nixl")
 

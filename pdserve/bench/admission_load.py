@@ -24,10 +24,9 @@ TENANTS = {"steady": "sk-bench-steady-0f3a9c", "burst": "sk-bench-burst-7d21e4"}
 
 def prompts(model: str, n_tokens: int, seed: int):
     """Endless distinct prompts of about `n_tokens` tokens (no shared prefix to cache)."""
-    from transformers import AutoTokenizer
-
+    from pdserve.services.edge.prompts import load_tokenizer
     from pdserve.tiny_model import synthetic_corpus
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = load_tokenizer(model)
     i = 0
     while True:
         text = " ".join(synthetic_corpus(seed * 1_000_003 + i, max(2, n_tokens // 8)))

@@ -441,10 +441,15 @@ def commands() -> dict:
             "decode-calls": _module("decode_calls"), "external": _module("external")}
 
 
-def main(argv: list[str]) -> int:
-    """Dispatch `pdserve bench <what> ...`."""
-    run = commands().get(argv[0]) if argv else None
+def dispatch(table: dict, usage: str, argv: list[str]) -> int:
+    """Run subcommand argv[0] of `table` on the rest; `usage` when there is none such."""
+    run = table.get(argv[0]) if argv else None
     if run is None:
-        print(__doc__.strip(), file=sys.stderr)
+        print(usage.strip(), file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     return run(argv[1:])
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch `pdserve bench <what> ...`."""
+    return dispatch(commands(), __doc__, argv)

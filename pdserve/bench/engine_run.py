@@ -12,7 +12,7 @@ import urllib.request
 
 from pdserve.bench.deployments import Hardware, PdserveStack
 
-_XFER = "vllm:nixl_xfer_time_seconds"
+XFER_SECONDS = "vllm:nixl_xfer_time_seconds"
 
 
 def stdout_for_the_result():
@@ -32,7 +32,8 @@ def prompt_text(rng: random.Random, words: int) -> str:
                     for _ in range(words))
 
 
-def _complete(url: str, model: str, prompt: str) -> dict:
+def complete_disaggregated(url: str, model: str, prompt: str | list[int]) -> dict:
+    """One completion through the edge at `url`, which must have run it disaggregated."""
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -43,7 +44,7 @@ def _complete(url: str, model: str, prompt: str) -> dict:
         return json.loads(r.read())
 
 
-def _series(url: str) -> dict[str, list[tuple[str, float]]]:
+def nixl_series(url: str) -> dict[str, list[tuple[str, float]]]:
     with urllib.request.urlopen(url, timeout=10) as r:
         body = r.read().decode()
     out: dict[str, list[tuple[str, float]]] = {}
@@ -77,7 +78,7 @@ def _buckets(series: dict, name: str) -> list[tuple[float, float]]:
     return list(by_le.items())
 
 
-def _total(series: dict, name: str) -> float:
+def series_total(series: dict, name: str) -> float:
     return sum(v for _, v in series.get(name, []))
 
 
@@ -101,18 +102,18 @@ def transfer_times(model: str, requests: int, url: str = "", decode_metrics: str
 
 def _measure(url: str, metrics: str, model: str, requests: int, rng: random.Random,
              words: int) -> dict:
-    _complete(url, model, prompt_text(rng, words))            # warm-up: handshake, first pull
-    before = _series(metrics)
-    prompt_tokens = [_complete(url, model, prompt_text(rng, words))["usage"]["prompt_tokens"]
-                     for _ in range(requests)]
-    after = _series(metrics)
-    xfer = [(le, n - dict(_buckets(before, _XFER)).get(le, 0.0))
-            for le, n in _buckets(after, _XFER)]
-    count = _total(after, f"{_XFER}_count") - _total(before, f"{_XFER}_count")
+    complete_disaggregated(url, model, prompt_text(rng, words))  # warm-up: handshake, pull
+    before = nixl_series(metrics)
+    prompt_tokens = [complete_disaggregated(url, model, prompt_text(rng, words))
+                     ["usage"]["prompt_tokens"] for _ in range(requests)]
+    after = nixl_series(metrics)
+    xfer = [(le, n - dict(_buckets(before, XFER_SECONDS)).get(le, 0.0))
+            for le, n in _buckets(after, XFER_SECONDS)]
+    count = series_total(after, f"{XFER_SECONDS}_count") - series_total(before, f"{XFER_SECONDS}_count")
     if count <= 0:
         raise RuntimeError("the decode engine reported no NIXL transfer")
-    seconds = _total(after, f"{_XFER}_sum") - _total(before, f"{_XFER}_sum")
-    moved = _total(after, f"{_BYTES}_sum") - _total(before, f"{_BYTES}_sum")
+    seconds = series_total(after, f"{XFER_SECONDS}_sum") - series_total(before, f"{XFER_SECONDS}_sum")
+    moved = series_total(after, f"{_BYTES}_sum") - series_total(before, f"{_BYTES}_sum")
     return {"requests": requests, "transfers": int(count),
             "request_prompt_tokens": round(sum(prompt_tokens) / len(prompt_tokens)),
             "request_bytes": int(moved / count),

@@ -187,10 +187,9 @@ class SyntheticEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
 async def serve(a: argparse.Namespace) -> None:
     """The engine on gRPC port `a.port`, and its HTTP face on `a.http_port` unless 0, until
     SIGTERM or SIGINT."""
-    from transformers import AutoTokenizer
-
     from pdserve.lifecycle import freeze_startup_heap, until_signalled
-    engine = SyntheticEngine(AutoTokenizer.from_pretrained(a.model),
+    from pdserve.services.edge.prompts import load_tokenizer   # as the edge: without torch
+    engine = SyntheticEngine(load_tokenizer(a.model),
                              a.served_model_name or a.model, a.rate, capacity=a.capacity,
                              hold=True)
     server = Server(a.host, a.port, lambda s: add_to_server(engine, s), SERVICE_NAMES)

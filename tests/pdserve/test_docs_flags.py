@@ -1,8 +1,8 @@
 """docs/configuration.md documents every flag of every `pdserve` command, and no other.
 
 The flags come from the parsers themselves: `pdserve.cli`'s and its subcommands',
-`pdserve chaos`'s, and each `pdserve bench` subcommand's (`bench serve` is vLLM's own
-benchmark and is documented by a pointer). The generated part of the page lies
+`pdserve chaos`'s, and each `pdserve bench` and `pdserve plan` subcommand's (`bench
+serve` is vLLM's own benchmark and is documented by a pointer). The generated part of the page lies
 between the markers below; write it again after changing a flag:
 
     .venv/bin/python tests/pdserve/test_docs_flags.py --write
@@ -55,17 +55,20 @@ def commands() -> dict[str, argparse.ArgumentParser]:
     from pdserve import cli
     from pdserve.bench import chaos
     from pdserve.bench import cli as bench
+    from pdserve.bench.plan import cli as plan
 
     main = cli._parser()
     subs = next(a for a in main._actions if isinstance(a, argparse._SubParsersAction))
     out = {"pdserve": main}
     for name, p in subs.choices.items():
-        if name not in ("chaos", "bench"):            # those two hand their argv on
+        if name not in ("chaos", "bench", "plan"):    # those hand their argv on
             out[f"pdserve {name}"] = p
     out["pdserve chaos"] = chaos.parser()
     for name, run in bench.commands().items():
         if name != "serve":                             # vLLM's own flags, handed on
             out[f"pdserve bench {name}"] = _parser_of(run)
+    for name, run in plan.commands().items():
+        out[f"pdserve plan {name}"] = _parser_of(run)
     return out
 
 
@@ -179,7 +182,7 @@ def render() -> str:
         done |= {names.index(n) for n in same}
         title = ", ".join(f"`{n}`" for n in [name, *same])
         lines += ["", f"### {title}", ""]
-        if name in DESCRIPTION or (p.description and name.startswith("pdserve bench")):
+        if name in DESCRIPTION or (p.description and name.startswith(("pdserve bench", "pdserve plan"))):
             lines += [_cell(DESCRIPTION.get(name) or p.description.split("\n\n")[0]), ""]
         if name == "pdserve":
             lines += ["Given before the command: `pdserve [--log-level L] [--log-format F] "

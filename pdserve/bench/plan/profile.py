@@ -11,7 +11,8 @@ prompt, a decode step with the batch and the context).
      "prefill":  [{"tokens": 128, "cached_fraction": 0.0, "ms": 9.1}, ...],
      "decode":   [{"batch": 1, "context": 256, "step_ms": 4.2}, ...],
      "transfer": [{"tokens": 1024, "ms": 3.0}, ...],
-     "overheads": {"edge_request_ms": 1.1, "edge_token_ms": 0.02, "router_request_ms": 0.3}}
+     "overheads": {"edge_request_ms": 1.1, "edge_token_ms": 0.02, "router_request_ms": 0.3},
+     "enable_chunked_prefill": true, "sweep": {"total_s": 240, ...}}
 """
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ class Profile:
     transport: str = ""
     command: str = ""
     commit: str = ""
+    # Optional: whether a long prompt's prefill ran in chunks of max_num_batched_tokens
+    # (the prefill points include every chunk), and how the sweep ran (its seconds,
+    # the engine's KV capacity in tokens, the machine's load average).
+    enable_chunked_prefill: bool = True
+    sweep: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "transfer"):
