@@ -215,7 +215,7 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-_SHAPE_FLAGS = {"requests": "requests per client", "rate": "Poisson arrivals per second",
+_SHAPE_FLAGS = {"requests": "requests per client", "rate": "arrivals per second (--arrival)",
                 "prompt_tokens": "every prompt's length in the model's tokens",
                 "output_tokens": "tokens every answer streams (EOS ignored)",
                 "seed": "prompts and arrivals, as far as each tool takes a seed"}
