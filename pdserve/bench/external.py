@@ -226,7 +226,9 @@ def install_tools() -> None:
     once they are there); elsewhere the tools must be installed already."""
     from .third_party import ROOT
     if (ROOT / "Makefile").exists():
-        subprocess.run(["make", "--no-print-directory", "bench-clients"], cwd=ROOT,
+        # -o: never remake .venv (this process runs from it), only the tools' venvs.
+        keep = [f"-o{p.relative_to(ROOT)}" for p in ROOT.glob(".venv/.installed-*")]
+        subprocess.run(["make", "--no-print-directory", *keep, "bench-clients"], cwd=ROOT,
                        stdout=sys.stderr, check=True)
 
 
