@@ -4,6 +4,7 @@
 #   make run ARGS="--port 9000"   flags go to `pdserve up` (docs/configuration.md)
 #   make test                     stale-stub check, Debian test servers, the whole suite
 #   make clients                  the third-party clients tests/e2e/test_clients.py runs
+#   make bench-clients            the benchmark tools `pdserve bench external` runs
 #   make proto                    regenerate gRPC stubs after editing proto/
 #   make lock                     resolve lock/*.txt again after editing pyproject.toml's pins
 #   make image [EXTRAS=gpu]       the image (docker, podman or buildah); make image-test runs it
@@ -15,7 +16,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 NATIVE := $(VENV)/.native
 
-.PHONY: run test proto check-proto system-deps clients clean lock image image-test
+.PHONY: run test proto check-proto system-deps clients bench-clients clean lock lock-clients image \
+	image-test
 
 # .venv holds exactly lock/$(EXTRAS)-dev.txt (scripts/install_lock.sh), then pdserve itself.
 LOCK := lock/$(EXTRAS)-dev.txt
@@ -57,6 +59,30 @@ CLIENTS := .venv-clients
 GUIDELLM := $(CLIENTS)/guidellm
 NODE_CLIENTS := tests/e2e/clients
 clients: $(GUIDELLM)/.installed $(NODE_CLIENTS)/node_modules/.installed
+
+# guidellm, inference-perf and aiperf for `pdserve bench external` (which runs this), not
+# for the suite: no test runs the last two (12-15 s each to install, 0.6 and 0.9 GB). Each
+# from its lock alone, neither needs torch; inference-perf needs Python >= 3.12.
+bench-clients: $(GUIDELLM)/.installed $(CLIENTS)/inference-perf/.installed \
+	$(CLIENTS)/aiperf/.installed
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+$(CLIENTS)/inference-perf/.installed: PYBASE = $(PYTHON312)
+$(CLIENTS)/aiperf/.installed: PYBASE = $(PYTHON)
+$(CLIENTS)/%/.installed: $(NODE_CLIENTS)/%-requirements.txt | $(STAMP)
+	rm -rf $(CLIENTS)/$*
+	mkdir -p $(CLIENTS) && echo '*' > $(CLIENTS)/.gitignore
+	$(PYBASE) -m venv $(CLIENTS)/$*
+	$(VENV)/bin/uv pip install -q --python $(CLIENTS)/$*/bin/python --no-deps -r $<
+	touch $@
+
+# The two locks above, resolved again (after changing a version here).
+lock-clients: $(STAMP)
+	for t in inference-perf==0.7.0:3.12 aiperf==0.13.0:3.11; do \
+		req=$${t%%:*}; out=$(NODE_CLIENTS)/$${req%%==*}-requirements.txt; \
+		echo "$$req" | $(VENV)/bin/uv pip compile --python-version $${t##*:} -q \
+			--no-header - -o $$out.new && \
+		{ sed -n '1,2p' $$out; cat $$out.new; } > $$out.tmp && mv $$out.tmp $$out && rm $$out.new; \
+	done
 
 # torch (guidellm's data loader imports it) is .venv's own: a .pth puts .venv's site-packages
 # after the venv's, so guidellm's pins win and torch is not installed twice (40 s, 1 GB).

@@ -28,6 +28,9 @@
     pdserve bench decode-calls [--reps N]           two edges on one stack, paired: the two
                        [--beside-tree P] [--beside-env N=V]   --decode-calls modes, two
                                                     checkouts or two environments
+    pdserve bench external [--tools T,T] [--json]   guidellm, inference-perf and aiperf,
+                  [--requests N] [--rate R]         unmodified, against the edge beside
+                  [--url URL] [--shared-prefix]     pdserve's own runner (make bench-clients)
 """
 from __future__ import annotations
 
@@ -435,7 +438,7 @@ def commands() -> dict:
             "placement": _placement, "sessions": _sessions, "edge": _edge,
             "admission": _admission, "window": _module("window"), "resume": _module("resume"),
             "legs": _module("legs"), "spans": _module("spans"), "local": _module("local_path"),
-            "decode-calls": _module("decode_calls")}
+            "decode-calls": _module("decode_calls"), "external": _module("external")}
 
 
 def dispatch(table: dict, usage: str, argv: list[str]) -> int:

@@ -62,9 +62,10 @@ class Client:
         return await self.request(req, self.session)
 
 
-async def _run_requests(client: Client, reqs: list[SampleRequest], rate: float) -> list:
+async def _run_requests(client: Client, reqs: list[SampleRequest], rate: float,
+                        burstiness: float = 1.0) -> list:
     tasks = []
-    async for req, _ in get_request(reqs, rate):
+    async for req, _ in get_request(reqs, rate, burstiness):
         tasks.append(asyncio.create_task(
             client.complete(req.prompt, req.prompt_len, req.expected_output_len)))
     return list(await asyncio.gather(*tasks))
@@ -96,8 +97,9 @@ async def _run_sessions(client: Client, sessions: list[Session], rate: float,
 
 
 async def run(workload: Workload, base_urls: list[str], model: str, rate: float,
-              seed: int = 0, chat: bool = False) -> RunResult:
-    """Send `workload` at `rate` (requests/s; sessions/s for sessions)."""
+              seed: int = 0, chat: bool = False, burstiness: float = 1.0) -> RunResult:
+    """Send `workload` at `rate` (requests/s; sessions/s for sessions). `burstiness`:
+    vLLM's gamma shape of the gaps between requests (1: Poisson; larger: more even)."""
     np.random.seed(seed)  # vLLM's arrival generator draws from numpy's global RNG
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout,
@@ -110,7 +112,7 @@ async def run(workload: Workload, base_urls: list[str], model: str, rate: float,
             await _run_sessions(client, workload.sessions, rate, sent, got)
         else:
             sent = workload.requests
-            got = await _run_requests(client, sent, rate)
+            got = await _run_requests(client, sent, rate, burstiness)
         return RunResult(sent, got, time.perf_counter() - start)
 
 
