@@ -118,14 +118,28 @@ def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float |
     return round((after[0] - before[0]) / queries, 3) if queries else None
 
 
-def _timed(run, engines: list[str]) -> dict:
-    """`run()`'s figures, with the engines' prefix-cache hit rate over it where known."""
+def edge_ttft(url: str) -> tuple[float, float]:
+    """(seconds, requests) of the edge's own time-to-first-token histogram at `url`: what
+    the server saw, whatever the client's clock and CPU add."""
+    from .deployments import metrics_page, samples_sum
+    page = metrics_page(f"{url}/metrics")
+    return (samples_sum(page, "pdserve:time_to_first_token_seconds_sum"),
+            samples_sum(page, "pdserve:time_to_first_token_seconds_count"))
+
+
+def _timed(run, engines: list[str], edge: str = "") -> dict:
+    """`run()`'s figures, with the engines' prefix-cache hit rate over it where known and
+    the edge's own mean TTFT over it (`edge`: its URL)."""
     before = cache_counts(engines) if engines else None
+    ttft = edge_ttft(edge) if edge else None
     started = time.monotonic()
     got = run()
     got = {**got, "wall_s": round(time.monotonic() - started, 1)}
     if before:
         got["prefix_hit_rate"] = hit_rate(before, cache_counts(engines))
+    if ttft:
+        (s1, n1), (s0, n0) = edge_ttft(edge), ttft
+        got["edge_ttft_mean_ms"] = round((s1 - s0) / (n1 - n0) * 1000, 1) if n1 > n0 else None
     return got
 
 
@@ -153,12 +167,12 @@ def measure(shape: Shape, tools: list[str], url: str, model_dir: str, out: Path,
     for i, name in enumerate([*tools, None]):
         progress(f"pdserve runner: {shape.requests} requests at {shape.rate}/s")
         runners.append(_timed(lambda: runner_figures(
-            shape, [url], model, tokenizer, shape.seed + 1000 * (i + 1)), engines))
+            shape, [url], model, tokenizer, shape.seed + 1000 * (i + 1)), engines, url))
         if name is None:
             break
         progress(f"{name}: {shape.requests} requests at {shape.rate}/s")
         figures[name] = _timed(lambda: _tool_figures(name, shape, url, model, model_dir,
-                                                     out / name), engines)
+                                                     out / name), engines, url)
     return {"shape": asdict(shape), "tools_order": tools, "runner": runners,
             "runner_drift": [agreement(b, a) for a, b in zip(runners, runners[1:])],
             "tools": figures,

@@ -145,3 +145,34 @@ def test_constant_arrivals_reach_every_tool():
     assert inference_perf.config(shape, *args)["load"]["type"] == "constant"
     with pytest.raises(ValueError, match="arrival"):
         Shape(arrival="bursty")
+
+
+def test_each_run_carries_the_edges_own_mean_ttft_over_it():
+    """The server's view beside the client's: the edge histogram's sum and count, before and
+    after the run, give the mean TTFT the edge saw for that run's requests alone."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    pages = iter([(1.0, 10), (3.5, 15)])              # 5 requests in 2.5 s: 500 ms each
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            s, n = next(pages)
+            body = (f"pdserve:time_to_first_token_seconds_sum {s}\n"
+                    f"pdserve:time_to_first_token_seconds_count {n}\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        got = external._timed(lambda: {"completed": 5}, [],
+                              f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert got["completed"] == 5 and got["edge_ttft_mean_ms"] == 500.0
