@@ -128,30 +128,31 @@ class EngineModel:
     def _schedule(self) -> tuple[list[tuple[Job, int]], list[Job]]:
         """(prefill chunks, decoding jobs) of the next step; admits waiting jobs."""
         budget = self.profile.max_num_batched_tokens
-        chunks, decodes = [], []
+        chunks: list[tuple[Job, int]] = []
+        decodes: list[Job] = []
         for job in self.running:
             if budget <= 0:
                 break
-            if job.wait_steps:
-                job.wait_steps -= 1
-            elif job.todo:
-                chunks.append((job, min(job.todo, budget)))
-                budget -= chunks[-1][1]
-            else:
-                decodes.append(job)
-                budget -= 1
+            budget = self._take(job, budget, chunks, decodes)
         while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
             job = self.waiting.popleft()
             self.running.append(job)
-            if job.wait_steps:
-                job.wait_steps -= 1
-            elif job.todo:
-                chunks.append((job, min(job.todo, budget)))
-                budget -= chunks[-1][1]
-            else:
-                decodes.append(job)
-                budget -= 1
+            budget = self._take(job, budget, chunks, decodes)
         return chunks, decodes
+
+    @staticmethod
+    def _take(job: Job, budget: int, chunks: list, decodes: list) -> int:
+        """Put `job`'s share of the step in `chunks` (a prefill chunk) or `decodes` (one
+        token), unless it waits a step; the token budget left."""
+        if job.wait_steps:
+            job.wait_steps -= 1
+        elif job.todo:
+            chunks.append((job, min(job.todo, budget)))
+            budget -= chunks[-1][1]
+        else:
+            decodes.append(job)
+            budget -= 1
+        return budget
 
     def step(self) -> StepResult | None:
         """Run one step (None: nothing to do)."""
