@@ -9,8 +9,10 @@ it what the call did), and the whole run's p99 at 1,000 starts in a second read
 together in one message; each answer carries its request's id and, when the
 request cannot be placed, the status a unary Route would have failed with, which
 is raised here as that call's `AioRpcError`. When the call itself breaks (its
-router replica went away), every request waiting on it is asked once more on a
-new call, which the channel opens to another replica; UNAVAILABLE if that fails too. To
+router replica went away), every request waiting on it is asked again on a new
+call, which the channel opens to another replica: up to four tries, 50 ms apart
+and doubling; UNAVAILABLE if they all fail. A unary Route that a stopping replica
+cancels is asked again the same way. To
 the orchestrator it is the `RouterStub` it replaces: `Route` and `ListWorkers`.
 
 With tracing on, each request takes a unary Route, so that the router's side
@@ -34,6 +36,16 @@ log = logging.getLogger("pdserve.edge")
 _UNARY = object()                   # the router has no RouteStream: ask again, unary
 _NOT_OFFERED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL)
 UNARY_SECONDS = 60.0                # then RouteStream is tried again (the router may be new)
+ATTEMPTS = 4                        # tries of one Route while replicas go away under it
+BACKOFF = 0.05                      # seconds before the second try, doubling after
+
+
+class _Gone(Exception):
+    """The router replica a try reached went away under it: `error` is how it failed."""
+
+    def __init__(self, error: grpc.aio.AioRpcError):
+        super().__init__(error)
+        self.error = error
 
 
 class _OpenCall(OpenCall):
@@ -104,23 +116,50 @@ class RouteCalls:
 
     async def Route(self, request: router_pb2.RouteRequest, timeout: float | None = None
                     ) -> router_pb2.RouteDecision:
-        rid = request.request_id
-        if (not self.streamed or telemetry.enabled() or not rid
-                or (self._call is not None and rid in self._call.waiting)):
-            return await self._stub.Route(request, timeout=timeout)
-        try:
-            result = await self._answer(request, timeout)
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            # The call broke under it (a router replica went away): once more, on a new
-            # call, which the channel opens to a replica still there.
-            result = await self._answer(request, timeout)
-        if result is _UNARY:
-            return await self._stub.Route(request, timeout=timeout)
+        """`request`'s decision; asked again, up to ATTEMPTS tries within `timeout`, while
+        the replica a try reached goes away under it (the channel moves to another)."""
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        for attempt in range(ATTEMPTS):
+            left = None if end is None else end - loop.time()
+            if left is not None and left <= 0:
+                raise call_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            try:
+                result = await self._try(request, left)
+                break
+            except _Gone as gone:
+                if attempt + 1 == ATTEMPTS:
+                    raise gone.error from None
+            await asyncio.sleep(BACKOFF * 2 ** attempt)
+        if isinstance(result, router_pb2.RouteDecision):
+            return result
         if result.status_code:
             raise call_error(status_code(result.status_code), result.status_details)
         return result.decision
+
+    async def _try(self, request: router_pb2.RouteRequest, timeout: float | None
+                   ) -> router_pb2.RouteDecision | router_pb2.RouteAnswer:
+        """One try: a unary call's decision or the open call's answer; _Gone when the
+        replica it reached went away under it."""
+        rid = request.request_id
+        if (self.streamed and not telemetry.enabled() and rid
+                and (self._call is None or rid not in self._call.waiting)):
+            try:
+                result = await self._answer(request, timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                raise _Gone(e) from None    # the call broke: _read made it UNAVAILABLE
+            if result is not _UNARY:
+                return result
+        try:
+            return await self._stub.Route(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            # A replica stopping cancels the calls it took as it stopped; the channel's
+            # retry policy has already asked again those refused UNAVAILABLE.
+            if e.code() == grpc.StatusCode.CANCELLED:
+                raise _Gone(e) from None
+            raise
 
     async def _answer(self, request: router_pb2.RouteRequest, timeout: float | None):
         """`request`'s answer on the open call (opened if need be), or _UNARY; raises the

@@ -200,3 +200,46 @@ async def test_a_router_bug_on_one_request_fails_that_request_alone(routed, monk
                                calls.Route(_request("good"), timeout=5), return_exceptions=True)
     assert isinstance(got[0], grpc.aio.AioRpcError) and got[0].code() == grpc.StatusCode.INTERNAL
     assert got[1].decode.worker_id == "d0" and service.streams == 1
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["open-call", "unary"])
+async def test_routes_under_load_survive_a_replica_stopping(traced, monkeypatch):
+    """Two replicas, the edge's channel on the first; it stops gracefully (as on SIGTERM)
+    under a steady load of Routes: every Route gets its decision, the later ones from the
+    second replica. A stopping gRPC server cancels the calls it takes as it stops (seen as
+    CANCELLED by ~6 in 1,500 unary Routes here before they were asked again)."""
+    if traced:
+        monkeypatch.setattr(telemetry, "enabled", lambda: True)
+    first, second = CountingRouter(), CountingRouter()
+    servers = []
+    for service in (first, second):
+        await _with_decode_worker(service)
+        servers.append(await _serve(service))
+    ch = channel("ipv4:" + ",".join(f"127.0.0.1:{s.port}" for s in servers))
+    calls, stopped, failed, done = RouteCalls(ch), asyncio.Event(), [], [0]
+
+    async def client(n: int):
+        for i in range(10_000):
+            if stopped.is_set() and second.unary + second.messages >= 50:
+                return
+            try:
+                await calls.Route(_request(f"{n}-{i}"), timeout=5)
+                done[0] += 1
+            except grpc.aio.AioRpcError as e:
+                failed.append(e.code().name)
+
+    async def stop():
+        while done[0] < 200:
+            await asyncio.sleep(0.01)
+        await servers[0].stop(2.0)
+        stopped.set()
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*[client(n) for n in range(8)], stop()), 30)
+        assert not failed, failed[:5]
+        assert done[0] >= 250 and second.unary + second.messages >= 50
+    finally:
+        await calls.close()
+        await ch.close()
+        for server in servers:
+            await server.stop(0)
