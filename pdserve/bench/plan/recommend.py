@@ -145,14 +145,15 @@ def _kind_order(name: str) -> int:
     return ("colocated", "disaggregated", "conditional").index(name.split("_")[0])
 
 
-def _score(row: dict, slo: str, by_rate: bool) -> float:
-    return row["at"][0]["goodput"][slo] if by_rate else row["sustained"][slo]
+def _score(row: dict, slo: str, by_rate: bool, at: int) -> float:
+    return row["at"][at]["goodput"][slo] if by_rate else row["sustained"][slo]
 
 
-def best(rows: list[dict], slo: str, by_rate: bool) -> dict:
-    """The row to recommend for `slo` (module docstring)."""
-    top = max(_score(r, slo, by_rate) for r in rows)
-    near = [r for r in rows if _score(r, slo, by_rate) >= top * (1 - TIE)]
+def best(rows: list[dict], slo: str, by_rate: bool, at: int = 0) -> dict:
+    """The row to recommend for `slo` (module docstring), by the goodput at its `at`th
+    rate when `by_rate`."""
+    top = max(_score(r, slo, by_rate, at) for r in rows)
+    near = [r for r in rows if _score(r, slo, by_rate, at) >= top * (1 - TIE)]
     return max(near, key=lambda r: (r["sustained"][slo], -_kind_order(r["name"])))
 
 

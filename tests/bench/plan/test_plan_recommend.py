@@ -99,17 +99,45 @@ def test_recommend_refuses_a_missing_profile(capsys):
     assert "--profile" in capsys.readouterr().err
 
 
+MIXES = ("itl_strict", "ttft_strict", "balanced")
+
+
+def _rows(*goodputs: tuple[str, list[float]]) -> dict:
+    """A recommend result: each candidate's goodput at each rate (every mix alike)."""
+    return {"candidates": [
+        {"name": n, "sustained": dict.fromkeys(MIXES, 1.0),
+         "at": [{"goodput": dict.fromkeys(MIXES, g), "attainment": dict.fromkeys(MIXES, 0.9)}
+                for g in gs]}
+        for n, gs in goodputs]}
+
+
 def test_check_cases_pair_each_pick_with_another_familys_best():
-    result = {"candidates": [
-        {"name": n, "at": [{"goodput": {s: g for s in ("itl_strict", "ttft_strict", "balanced")}}]}
-        for n, g in (("colocated_2x1", 1.0), ("colocated_1x2", 2.0),
-                     ("conditional_1p1d_below512_sat2", 3.0),
-                     ("conditional_1p1d_below256_sat0", 2.9))],
-        "best": {s: {"name": "conditional_1p1d_below512_sat2"}
-                 for s in ("itl_strict", "ttft_strict", "balanced")}}
+    result = _rows(("colocated_2x1", [1.0]), ("colocated_1x2", [2.0]),
+                   ("conditional_1p1d_below512_sat2", [3.0]),
+                   ("conditional_1p1d_below256_sat0", [2.9]))
     cases = check.cases_for(result, "long_prompts", 4.0)
+    assert {c["recommended"] for c in cases} == {"conditional_1p1d_below512_sat2"}
     assert {c["alternative"] for c in cases} == {"colocated_1x2"}
     assert cases[0]["predicted_goodput"] == 3.0
+
+
+def test_check_runs_where_the_picks_stand_furthest_from_their_rivals():
+    result = _rows(("colocated_2x1", [4.0, 5.0, 6.0]), ("disaggregated_1p1d", [4.0, 5.5, 4.0]))
+    by_rate = [check.cases_for(result, "w", r, i) for i, r in enumerate((4, 5, 6))]
+    assert check.check_rate(by_rate) == 2               # 6.0 against 5.5's rival 4.0
+    for c in by_rate[2]:
+        c["predicted_attainment"] = 0.5                 # a pick that cannot keep up there
+    assert check.check_rate(by_rate) == 1
+
+
+def test_a_check_outcome_is_judged_by_the_runs_own_spread():
+    assert check.outcome([3.0, 3.2], [3.0, 3.1]) == "won"
+    assert check.outcome([3.0, 3.2], [3.2, 3.3]) == "tie"       # 0.15 apart, runs 0.2 apart
+    assert check.outcome([3.0, 3.0], [3.5, 3.6]) == "lost"
+    assert check.outcome([], [3.0]) is None
+    assert check.requests_at("sessions", (2.0, 64), 3.0) == 96
+    assert check.requests_at("sessions", (2.0, 64), 2.5) == 80
+    assert check.requests_at("short_chat", (8.0, 80), 14.0) == 140
 
 
 def test_sessions_sustain_a_rate_counted_in_sessions():
