@@ -8,9 +8,10 @@ at the rate where the picks stand furthest from their alternatives (the mean pre
 gap over the mixes), among the rates at which every pick is predicted to meet its SLO
 for at least ATTAINMENT of the requests: where the plan decides something, not where
 every deployment keeps up. Each deployment any case needs is started once, sent each
-workload `--runs` times with the seed the simulation drew its arrivals from, and every
-mix's goodput is computed from each run (`compare._summary`); a case's measured goodput
-is the runs' mean, its `error` (predicted - measured) / measured.
+workload `--runs` times, run k with prompts and arrivals of seed + k (a run never
+repeats a prompt an engine already cached), and every mix's goodput is computed from
+each run (`compare._summary`). The prediction is the mean over the same seeds simulated,
+the measurement the runs' mean; a case's `error` is (predicted - measured) / measured.
 
 A case's `outcome`: `won` when the pick measured at least its alternative, `tie` when it
 measured less by no more than the runs of either deployment differed among themselves
@@ -100,10 +101,8 @@ def stack_for(dep: Deployment, model: str, hw):
                         prefill_workers=dep.prefill)
 
 
-def _cache_path(folder: Path, dep: str, workload: str, rate: float, n: int, seed: int,
-                run: int = 0) -> Path:
-    again = f"_k{run}" if run else ""           # the first run's name is older than runs
-    return folder / f"{dep}__{workload}__r{rate:g}_n{n}_s{seed}{again}.json"
+def _cache_path(folder: Path, dep: str, workload: str, rate: float, n: int, seed: int) -> Path:
+    return folder / f"{dep}__{workload}__r{rate:g}_n{n}_s{seed}.json"
 
 
 def measure(deps: list[Deployment], needs: dict[str, list[str]], plan: dict, model: str,
@@ -123,8 +122,8 @@ def measure(deps: list[Deployment], needs: dict[str, list[str]], plan: dict, mod
     hw = Hardware("cpu", tuple(sorted(os.sched_getaffinity(0))))
     for dep in deps:
         wanted = (list(plan) if dep.name in only else []) if only else needs.get(dep.name, [])
-        todo = [(w, k) for w in wanted for k in range(runs)
-                if not _cache_path(folder, dep.name, w, *plan[w], seed, k).exists()]
+        todo = [(w, seed + k) for w in wanted for k in range(runs)
+                if not _cache_path(folder, dep.name, w, *plan[w], seed + k).exists()]
         if not todo:
             continue
         stack = stack_for(dep, model, hw)
@@ -132,16 +131,17 @@ def measure(deps: list[Deployment], needs: dict[str, list[str]], plan: dict, mod
         try:
             urls = stack.start()
             asyncio.run(warm_up(urls, model))
-            for w, k in todo:
+            for w, run_seed in todo:
                 rate, n = plan[w]
-                progress(f"{dep.name}: {w} at {rate:g}/s, {n} requests, run {k + 1}")
+                progress(f"{dep.name}: {w} at {rate:g}/s, {n} requests, seed {run_seed}")
                 load0 = os.getloadavg()[0]
-                result = asyncio.run(run(BUILDERS[w](tokenizer, n, seed), urls, model, rate, seed))
+                result = asyncio.run(run(BUILDERS[w](tokenizer, n, run_seed), urls, model,
+                                         rate, run_seed))
                 summary = _summary(result, tokenizer, DEFAULT_MIXES)
                 summary.pop("samples")
                 # the machine is shared: what else ran shows in its load
                 summary["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-                _cache_path(folder, dep.name, w, rate, n, seed, k).write_text(
+                _cache_path(folder, dep.name, w, rate, n, run_seed).write_text(
                     json.dumps(summary))
         finally:
             stack.stop()
@@ -155,7 +155,7 @@ def _error(predicted: float, measured: float | None) -> float | None:
 def _measured(folder: Path, dep: str, c: dict, plan: dict, seed: int, runs: int
               ) -> list[float]:
     rate, n = plan[c["workload"]]
-    paths = [_cache_path(folder, dep, c["workload"], rate, n, seed, k) for k in range(runs)]
+    paths = [_cache_path(folder, dep, c["workload"], rate, n, seed + k) for k in range(runs)]
     return [json.loads(p.read_text())["goodput"][c["slo"]] for p in paths if p.exists()]
 
 
@@ -203,16 +203,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict-only", action="store_true",
                    help="print the cases from the measurements held, start nothing")
     p.add_argument("--model", default="", help="model dir (default: the tiny model)")
-    p.add_argument("--reps", type=int, default=3, help="simulated runs per prediction")
     p.add_argument("--runs", type=int, default=2,
-                   help="measured runs per deployment and workload (their spread is the "
-                        "noise a tie is judged by)")
+                   help="runs per deployment and workload, run k with seed + k, measured "
+                        "and simulated alike (their spread is the noise a tie is judged by)")
     p.add_argument("--seed", type=int, default=0,
-                   help="seed of the measured runs' prompts and arrivals, and of the "
-                        "simulated arrivals")
+                   help="seed of the first run's prompts and arrivals, measured and "
+                        "simulated")
 
 
-def plan_cases(profile: Profile, base: dict, seed: int, reps: int
+def plan_cases(profile: Profile, base: dict, seed: int, runs: int
                ) -> tuple[list, dict, dict]:
     """(cases without measurements, the candidates each workload needs measured, the
     plan: each workload's check rate and requests)."""
@@ -220,13 +219,12 @@ def plan_cases(profile: Profile, base: dict, seed: int, reps: int
     cases, needs, plan = [], {}, {}
     for w, (rate, n) in base.items():
         rates = [rate * k for k in STEPS]
-        s = Setting(profile, Workload(w), n, reps, seed, host_knobs(profile), arrival_seed=seed)
+        s = Setting(profile, Workload(w), n, runs, seed, host_knobs(profile))
         result = recommend(s, engines, dict(DEFAULT_MIXES), rates)
         at = check_rate([cases_for(result, w, r, i) for i, r in enumerate(rates)])
         plan[w] = (rates[at], requests_at(w, (rate, n), rates[at]))
         if plan[w][1] != n:         # predicted again over the measured run's requests
-            s = Setting(profile, Workload(w), plan[w][1], reps, seed, host_knobs(profile),
-                        arrival_seed=seed)
+            s = Setting(profile, Workload(w), plan[w][1], runs, seed, host_knobs(profile))
             result = recommend(s, engines, dict(DEFAULT_MIXES), [rates[at]])
             at = 0
         cases += cases_for(result, w, plan[w][0], at)
@@ -274,7 +272,7 @@ def main(a: argparse.Namespace) -> int:
     if a.runs < 1:
         print("pdserve plan check: --runs must be >= 1", file=sys.stderr)
         return 2
-    cases, needs, plan = plan_cases(profile, base, a.seed, a.reps)
+    cases, needs, plan = plan_cases(profile, base, a.seed, a.runs)
     if only:                # measure only: cases come from a later command
         measure([d for d in candidates(engines) if d.name in only], {}, plan,
                 _model(a.model), a.seed, folder, only, a.runs)
