@@ -107,45 +107,90 @@ def _cache_path(folder: Path, dep: str, workload: str, rate: float, n: int, seed
 
 def measure(deps: list[Deployment], needs: dict[str, list[str]], plan: dict, model: str,
             seed: int, folder: Path, only: set[str], runs: int) -> None:
-    """Start each deployment of `deps` once and run each workload it `needs` (with
-    `only`: the deployments named there, every workload) `runs` times, but the runs
-    `folder` holds."""
+    """Run each workload each deployment of `deps` `needs` (with `only`: the deployments
+    named there, every workload) `runs` times, but the runs `folder` holds: in `runs`
+    passes, pass k starting every deployment afresh for its runs of seed + k, so that a
+    deployment's runs lie minutes apart and one noisy spell of the shared machine does
+    not fall on all of them."""
     import asyncio
 
     from transformers import AutoTokenizer
 
-    from ..compare import _summary
     from ..deployments import Hardware
-    from ..load import progress, run, warm_up
-    from ..workloads import BUILDERS
+    from ..load import progress, warm_up
     tokenizer = AutoTokenizer.from_pretrained(model)
     hw = Hardware("cpu", tuple(sorted(os.sched_getaffinity(0))))
-    for dep in deps:
-        wanted = (list(plan) if dep.name in only else []) if only else needs.get(dep.name, [])
-        todo = [(w, seed + k) for w in wanted for k in range(runs)
-                if not _cache_path(folder, dep.name, w, *plan[w], seed + k).exists()]
-        if not todo:
-            continue
-        stack = stack_for(dep, model, hw)
-        progress(f"{dep.name}: starting")
+    for run_seed in range(seed, seed + runs):
+        for dep in deps:
+            wanted = (list(plan) if dep.name in only else []) if only else needs.get(dep.name, [])
+            todo = [w for w in wanted
+                    if not _cache_path(folder, dep.name, w, *plan[w], run_seed).exists()]
+            if not todo:
+                continue
+            stack = stack_for(dep, model, hw)
+            progress(f"{dep.name}: starting")
+            try:
+                urls = stack.start()
+                asyncio.run(warm_up(urls, model))
+                for w in todo:
+                    rate, n = plan[w]
+                    progress(f"{dep.name}: {w} at {rate:g}/s, {n} requests, seed {run_seed}")
+                    summary = _measured_run(tokenizer, w, n, rate, run_seed, urls, model)
+                    _cache_path(folder, dep.name, w, rate, n, run_seed).write_text(
+                        json.dumps(summary))
+            finally:
+                stack.stop()
+                progress(f"{dep.name}: stopped")
+
+
+def _measured_run(tokenizer, workload: str, n: int, rate: float, seed: int, urls: list[str],
+                  model: str) -> dict:
+    """One run's summary, with the machine's load average before and after and the CPU
+    seconds each kind of process took over it (the shared machine's noise, and the
+    host's share of the cores, on the record)."""
+    import asyncio
+
+    from ..compare import _summary
+    from ..load import run
+    from ..workloads import BUILDERS
+    load0, cpu0 = os.getloadavg()[0], cpu_seconds()
+    result = asyncio.run(run(BUILDERS[workload](tokenizer, n, seed), urls, model, rate, seed))
+    cpu1 = cpu_seconds()
+    summary = _summary(result, tokenizer, DEFAULT_MIXES)
+    summary.pop("samples")
+    summary["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    summary["cpu_s"] = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 2)
+                        for k in sorted(cpu1) if cpu1.get(k, 0.0) - cpu0.get(k, 0.0) >= 0.01}
+    return summary
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process (the load's client) and of every process it
+    started, summed by kind: engine cores, pdserve's services, stock vLLM servers."""
+    import psutil
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    for p in [me, *me.children(recursive=True)]:
         try:
-            urls = stack.start()
-            asyncio.run(warm_up(urls, model))
-            for w, run_seed in todo:
-                rate, n = plan[w]
-                progress(f"{dep.name}: {w} at {rate:g}/s, {n} requests, seed {run_seed}")
-                load0 = os.getloadavg()[0]
-                result = asyncio.run(run(BUILDERS[w](tokenizer, n, run_seed), urls, model,
-                                         rate, run_seed))
-                summary = _summary(result, tokenizer, DEFAULT_MIXES)
-                summary.pop("samples")
-                # the machine is shared: what else ran shows in its load
-                summary["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-                _cache_path(folder, dep.name, w, rate, n, run_seed).write_text(
-                    json.dumps(summary))
-        finally:
-            stack.stop()
-            progress(f"{dep.name}: stopped")
+            times, kind = p.cpu_times(), _kind(p, me)
+        except psutil.Error:            # gone in between
+            continue
+        out[kind] = out.get(kind, 0.0) + times.user + times.system
+    return out
+
+
+def _kind(p, me) -> str:
+    if p.pid == me.pid:
+        return "client"
+    args = p.cmdline()
+    if "EngineCore" in p.name() or any("EngineCore" in a for a in args):
+        return "engine_core"
+    if "vllm.entrypoints.openai.api_server" in args:
+        return "vllm_api_server"
+    for service in ("edge", "router", "prefill", "decode"):
+        if service in args:
+            return service
+    return "other"
 
 
 def _error(predicted: float, measured: float | None) -> float | None:
@@ -203,7 +248,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predict-only", action="store_true",
                    help="print the cases from the measurements held, start nothing")
     p.add_argument("--model", default="", help="model dir (default: the tiny model)")
-    p.add_argument("--runs", type=int, default=2,
+    p.add_argument("--runs", type=int, default=3,
                    help="runs per deployment and workload, run k with seed + k, measured "
                         "and simulated alike (their spread is the noise a tie is judged by)")
     p.add_argument("--seed", type=int, default=0,
