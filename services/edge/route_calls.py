@@ -147,9 +147,10 @@ class RouteCalls:
             try:
                 result = await self._answer(request, timeout)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # _read makes a broken call UNAVAILABLE; CANCELLED: this edge closed it
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
-                raise _Gone(e) from None    # the call broke: _read made it UNAVAILABLE
+                raise _Gone(e) from None
             if result is not _UNARY:
                 return result
         try:
