@@ -7,10 +7,10 @@ colocated_1x2, disaggregated, conditional) is its alternative. The workload is c
 at the rate where the picks stand furthest from their alternatives (the mean predicted
 gap over the mixes), among the rates at which every pick is predicted to meet its SLO
 for at least ATTAINMENT of the requests: where the plan decides something, not where
-every deployment keeps up. Each deployment any case needs is started once, sent each
-workload `--runs` times, run k with prompts and arrivals of seed + k (a run never
-repeats a prompt an engine already cached), and every mix's goodput is computed from
-each run (`compare._summary`). The prediction is the mean over the same seeds simulated,
+every deployment keeps up. Each deployment any case needs is sent each workload
+`--runs` times, run k with prompts and arrivals of seed + k (a run never repeats a
+prompt an engine already cached) on a start of its own (`measure`), and every mix's
+goodput is computed from each run (`compare._summary`). The prediction is the mean over the same seeds simulated,
 the measurement the runs' mean; a case's `error` is (predicted - measured) / measured.
 
 A case's `outcome`: `won` when the pick measured at least its alternative, `tie` when it
@@ -18,7 +18,7 @@ measured less by no more than the runs of either deployment differed among thems
 (the machine's own noise, measured), else `lost`.
 
 Measurements are kept as JSON files under `--measured` (one per deployment, workload,
-rate and run), so a check can be split into several shorter commands (`--deployments`)
+rate and seed), so a check can be split into several shorter commands (`--deployments`)
 and combined by a last one that measures nothing new.
 """
 from __future__ import annotations
