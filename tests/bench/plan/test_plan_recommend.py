@@ -159,3 +159,26 @@ def test_a_cpu_profiles_serving_step_cost_comes_from_its_measured_decode_leg():
     gpu = Profile.from_json({**profile(decode=10.0, sweep={"legs": legs}).to_json(),
                              "device": "cuda"})
     assert host_knobs(gpu).serve_step_ms == 0.0
+
+
+def test_a_check_run_accounts_cpu_to_each_kind_of_process_it_started():
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    busy = ("import time\nend = time.process_time() + 0.5\n"
+            "while time.process_time() < end: pass\ntime.sleep(30)")
+    before = check.cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", busy, "router"])
+    try:
+        deadline = time.monotonic() + 20
+        while sum(psutil.Process(child.pid).cpu_times()[:2]) < 0.5:
+            assert time.monotonic() < deadline, "the child never spent its CPU"
+            time.sleep(0.05)
+        during = check.cpu_seconds()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert during.get("router", 0.0) >= 0.5 > before.get("router", 0.0)
+    assert during["client"] >= before["client"] > 0
