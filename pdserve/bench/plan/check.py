@@ -62,7 +62,7 @@ def cases_for(result: dict, workload: str, rate: float, at: int = 0) -> list[dic
         out.append({"workload": workload, "slo": slo, "rate": rate,
                     "recommended": pick["name"],
                     "predicted_goodput": pick["at"][at]["goodput"][slo],
-                    "predicted_attainment": pick["at"][at].get("attainment", {}).get(slo),
+                    "predicted_attainment": pick["at"][at]["attainment"][slo],
                     "alternative": alt["name"],
                     "alternative_predicted_goodput": alt["at"][at]["goodput"][slo]})
     return out
@@ -77,7 +77,7 @@ def separation(cases: list[dict]) -> float:
 def check_rate(by_rate: list[list[dict]]) -> int:
     """The index of the rate to check (module docstring); the first if none qualifies."""
     ok = [i for i, cases in enumerate(by_rate)
-          if all((c["predicted_attainment"] or 0) >= ATTAINMENT for c in cases)]
+          if all(c["predicted_attainment"] >= ATTAINMENT for c in cases)]
     return max(ok or [0], key=lambda i: (separation(by_rate[i]), -i))
 
 
