@@ -75,15 +75,16 @@ def worker_pids(up_pid: int) -> dict[str, list[int]]:
     return out
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now, below the ephemeral range, and not handed
-    out before by this process."""
+def free_port(avoid: tuple[range, ...] = ()) -> int:
+    """A TCP port free on loopback right now, below the ephemeral range, in none of
+    `avoid` (ranges other servers listen in later, e.g. UCX's `UCX_TCP_PORT_RANGE`), and
+    not handed out before by this process."""
     import random
     import socket
     ports = _below_ephemeral()
     while True:
         port = random.randrange(ports.start, ports.stop)
-        if port in _ISSUED:
+        if port in _ISSUED or any(port in r for r in avoid):
             continue
         with socket.socket() as s:
             try:

@@ -5,8 +5,9 @@ Each container runs with the command, args and env the rendered manifests give i
 (ConfigMap, downward API, `$(VAR)` expanded as the kubelet does). Only what a pod's
 sandbox would provide is translated, and nothing else:
   - the network: every pod has its own IP and ports, here they share loopback, so each
-    container port gets a free local port, Service names resolve to those ports, the pod
-    IP is 127.0.0.1, and UCX's device (the pod's eth0) is `lo`;
+    container port gets a free local port outside UCX's port range (where the engines'
+    UCX listens), Service names resolve to those ports, the pod IP is 127.0.0.1, and
+    UCX's device (the pod's eth0) is `lo`;
   - the volumes: each mount path is a local directory (the Secret's files written into
     it); the model volume is shared, built once by the init container (the three pods'
     init containers are identical, and the model is byte-identical by construction);
@@ -40,8 +41,11 @@ class LocalCluster:
         self.docs = render("cpu-dev")
         self.pods = pods(self.docs)
         self.tmp = tmp_path
-        # (component, container port) -> local port
-        self.ports = {(n, p): free_port() for n, pod in self.pods.items()
+        # (component, container port) -> local port, none where UCX will listen: its
+        # range is fixed (UCX_TCP_PORT_RANGE) and a pod's engine takes a port of it first
+        ucx = tuple(_port_range(pod.main.env["UCX_TCP_PORT_RANGE"]) for pod in self.pods.values()
+                    if "UCX_TCP_PORT_RANGE" in pod.main.env)
+        self.ports = {(n, p): free_port(avoid=ucx) for n, pod in self.pods.items()
                       for p in pod.main.ports.values()}
         self.services = {}                                   # "name:port" -> local address
         for name, svc in by_kind(self.docs, "Service").items():
@@ -187,6 +191,12 @@ class LocalCluster:
                 code = None
             out[name] = (code, time.monotonic() - started)
         return out
+
+
+def _port_range(spec: str) -> range:
+    """'20000-20999' -> range(20000, 21000)."""
+    low, _, high = spec.partition("-")
+    return range(int(low), int(high or low) + 1)
 
 
 def stream(url: str, key: str, model: str):
