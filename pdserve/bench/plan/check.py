@@ -168,15 +168,16 @@ def cpu_seconds() -> dict[str, float]:
     """CPU seconds so far of this process (the load's client) and of every process it
     started, summed by kind: engine cores, pdserve's services, stock vLLM servers."""
     import psutil
+
+    from ..deployments import cpu_seconds as seconds
     me = psutil.Process()
-    out: dict[str, float] = {}
+    kinds: dict[str, list[int]] = {}
     for p in [me, *me.children(recursive=True)]:
         try:
-            times, kind = p.cpu_times(), _kind(p, me)
+            kinds.setdefault(_kind(p, me), []).append(p.pid)
         except psutil.Error:            # gone in between
             continue
-        out[kind] = out.get(kind, 0.0) + times.user + times.system
-    return out
+    return {kind: seconds(pids) for kind, pids in kinds.items()}
 
 
 def _kind(p, me) -> str:
